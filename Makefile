@@ -1,0 +1,29 @@
+# The README's two commands: `make demo` (set up, run the main job) and `make test` (set up, run the tests).
+# The CPU machines here carry a local torch 2.13.0 CPU wheel; installing it first keeps pip from ever
+# resolving `torch>=2.11` to a multi-GB CUDA build. Override TORCH on other machines.
+PY ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-all clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(BIN)/kimik3 params
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-all: setup
+	$(BIN)/python -m pytest -m 'not gpu'
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info
