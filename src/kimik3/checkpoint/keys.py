@@ -1,0 +1,87 @@
+"""The key map between our modules and the released checkpoint: structural deviations only.
+
+Our parameter names ARE the released names, with one deviation: routed experts are stacked
+`...block_sparse_moe.experts.w{1,2,3}` [E, out, in], where the checkpoint has one tensor per expert,
+`...experts.{e}.w{1,2,3}.weight` (bf16) or `.weight_packed` uint8 [out, in/2] + `.weight_scale` uint8
+[out, in/32] (MXFP4). A text-only module (`K3ForCausalLM`) gets the `language_model.` prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+TEXT_PREFIX = "language_model."
+EXPERT_FORMATS = ("mxfp4", "bf16")
+MXFP4_GROUP = 32
+
+_STACKED = re.compile(r"^(?P<head>.+\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
+_PER_EXPERT = re.compile(r"^(?P<head>.+\.block_sparse_moe\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\."
+                         r"(?P<part>weight|weight_packed|weight_scale)$")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: name, shape, dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ExpertKey:
+    """A per-expert checkpoint name parsed into the stacked parameter it belongs to."""
+
+    stacked: str  # our parameter name, e.g. language_model.model.layers.3.block_sparse_moe.experts.w1
+    expert: int
+    part: str  # "weight", "weight_packed" or "weight_scale"
+
+
+def parse_expert_key(name: str) -> ExpertKey | None:
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    return ExpertKey(f"{m['head']}.{m['w']}", int(m["e"]), m["part"])
+
+
+def checkpoint_prefix(model: nn.Module) -> str:
+    """'' for the multimodal wrapper (names already carry `language_model.`), else the text prefix."""
+    return "" if hasattr(model, "language_model") else TEXT_PREFIX
+
+
+def expert_specs(name: str, shape: tuple[int, ...], dtype: torch.dtype, experts: str) -> Iterator[TensorSpec]:
+    """Unstack one stacked expert parameter [E, out, in] into its per-expert checkpoint tensors."""
+    m = _STACKED.match(name)
+    assert m is not None, name
+    E, out, inp = shape
+    for e in range(E):
+        base = f"{m['head']}.{e}.{m['w']}"
+        if experts == "mxfp4":
+            yield TensorSpec(f"{base}.weight_packed", (out, inp // 2), torch.uint8)
+            yield TensorSpec(f"{base}.weight_scale", (out, inp // MXFP4_GROUP), torch.uint8)
+        else:
+            yield TensorSpec(f"{base}.weight", (out, inp), dtype)
+
+
+def is_stacked_expert(name: str) -> bool:
+    return _STACKED.match(name) is not None
+
+
+def checkpoint_specs(model: nn.Module, experts: str = "mxfp4") -> list[TensorSpec]:
+    """Every tensor the released layout holds for `model` (works on the meta device)."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
+    prefix = checkpoint_prefix(model)
+    specs: list[TensorSpec] = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        name = prefix + name
+        if is_stacked_expert(name):
+            specs.extend(expert_specs(name, tuple(t.shape), t.dtype, experts))
+        else:
+            specs.append(TensorSpec(name, tuple(t.shape), t.dtype))
+    return specs

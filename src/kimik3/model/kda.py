@@ -1,0 +1,106 @@
+"""Kimi Delta Attention (KDA) layer: projections, short convs, decay gate, delta rule, gated norm.
+
+Legend: B batch, T tokens, D hidden, H heads, K = V head dim, P = H*K projection width, W conv window.
+
+    q, k, v = silu(conv(q_proj x)), silu(conv(k_proj x)), silu(conv(v_proj x))      (conv math in fp32)
+    g       = lower_bound * sigmoid( exp(A_log[:H]) * (f_b(f_a x) + dt_bias) )      fp32 log-decay in (-5, 0)
+    beta    = sigmoid(b_proj x)                                                     fp32
+    o       = delta_rule(l2norm(q), l2norm(k), v, g, beta, scale K^-1/2)            kimik3.ops.kda
+    out     = o_proj( rms(o) * o_norm.weight * sigmoid(g_proj x) )                  norm + gate in fp32
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kimik3.config import TextConfig
+from kimik3.model.norm import GatedRMSNorm
+from kimik3.ops.kda import chunk_kda
+from kimik3.ops.varlen import positions
+
+L2_EPS = 1e-6  # inside the sqrt, as fla's l2norm
+
+
+def l2_normalize(x: Tensor) -> Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last dim, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise conv (no bias) + SiLU; weight [P, 1, W] fp32, zero left padding per document.
+
+    y[t, c] = silu( sum_j weight[c, 0, j] * x[t - (W-1) + j, c] ), tap W-1 being the current token.
+    """
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=torch.float32))
+
+    def forward(self, x_BTP: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        T, W = x_BTP.shape[1], self.weight.shape[-1]
+        w_PW = self.weight.float().squeeze(1)
+        x = x_BTP.float()
+        pos_T = positions(cu_seqlens, T, x.device)
+        y = x * w_PW[:, W - 1]
+        for s in range(1, min(W, T)):
+            # x[t - s], zeroed where t - s falls before the token's own document start
+            shifted = F.pad(x, (0, 0, s, 0))[:, :T] * (pos_T >= s)[None, :, None]
+            y = y + shifted * w_PW[:, W - 1 - s]
+        return F.silu(y).to(x_BTP.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        c, D = cfg.kda, cfg.hidden_size
+        self.num_heads, self.head_dim, self.lower_bound = c.num_heads, c.head_dim, c.gate_lower_bound
+        P = c.proj_dim
+        self.q_proj = nn.Linear(D, P, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(D, P, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(D, P, bias=False, dtype=dtype)
+        self.q_conv1d = ShortConvolution(P, c.short_conv_kernel_size)
+        self.k_conv1d = ShortConvolution(P, c.short_conv_kernel_size)
+        self.v_conv1d = ShortConvolution(P, c.short_conv_kernel_size)
+        self.f_a_proj = nn.Linear(D, c.head_dim, bias=False, dtype=dtype)
+        self.f_b_proj = nn.Linear(c.head_dim, P, bias=False, dtype=dtype)
+        self.b_proj = nn.Linear(D, c.num_heads, bias=False, dtype=dtype)
+        # stored longer than H (released: 128 for 96 heads); only the first H entries are used
+        self.A_log = nn.Parameter(torch.empty(c.a_log_size, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
+        self.g_proj = nn.Linear(D, P, bias=False, dtype=dtype)
+        self.o_norm = GatedRMSNorm(c.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(P, D, bias=False, dtype=dtype)
+
+    def decay(self, g_raw_BTHK: Tensor) -> Tensor:
+        """The lower-bounded log-decay: lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias)), fp32."""
+        H, K = self.num_heads, self.head_dim
+        a_H11 = self.A_log[:H].float().exp().view(H, 1)
+        return self.lower_bound * torch.sigmoid(a_H11 * (g_raw_BTHK.float() + self.dt_bias.float().view(H, K)))
+
+    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        B, T, _ = x_BTD.shape
+        H, K = self.num_heads, self.head_dim
+        q_BTHK = self.q_conv1d(self.q_proj(x_BTD), cu_seqlens).view(B, T, H, K)
+        k_BTHK = self.k_conv1d(self.k_proj(x_BTD), cu_seqlens).view(B, T, H, K)
+        v_BTHK = self.v_conv1d(self.v_proj(x_BTD), cu_seqlens).view(B, T, H, K)
+        g_BTHK = self.decay(self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K))
+        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        o_BTHK, _ = chunk_kda(l2_normalize(q_BTHK), l2_normalize(k_BTHK), v_BTHK, g_BTHK, beta_BTH,
+                              scale=K**-0.5, cu_seqlens=cu_seqlens)
+        o_BTHK = self.o_norm(o_BTHK, self.g_proj(x_BTD).view(B, T, H, K))
+        return self.o_proj(o_BTHK.reshape(B, T, H * K))
+
+    @torch.no_grad()
+    def reset_kda_parameters(self) -> None:
+        """fla-style init of the fp32 islands: A in [1, 16], dt in [1e-3, 1e-1] (through inverse softplus)."""
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            bound = conv.weight.shape[-1] ** -0.5
+            conv.weight.uniform_(-bound, bound)

@@ -1,0 +1,49 @@
+"""Gated NoPE multi-head latent attention (MLA) layer.
+
+Legend: B batch, T tokens, D hidden, H heads, C kv latent rank, R shared-key width ("rope" slot, never rotated),
+N qk_nope head dim, V value head dim, Q q latent rank.
+
+    q        = q_b( q_a_layernorm( q_a(x) ) )               [B, T, H, N+R]
+    c, k_r   = split( kv_a_proj_with_mqa(x) )               [B, T, C], [B, T, R] (one key slot shared by heads)
+    k_n, v   = split( kv_b( kv_a_layernorm(c) ) )           [B, T, H, N], [B, T, H, V]
+    o        = causal_softmax( q [k_n ; k_r] / sqrt(N+R) ) v
+    out      = o_proj( o * sigmoid(g_proj x) )              gate in the compute dtype, before o_proj
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kimik3.config import TextConfig
+from kimik3.model.norm import RMSNorm
+from kimik3.ops.mla import mla_attention
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        c, D = cfg.mla, cfg.hidden_size
+        self.cfg = c
+        H = c.num_heads
+        self.q_a_proj = nn.Linear(D, c.q_lora_rank, bias=False, dtype=dtype)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.latent_norm_eps, dtype)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, H * c.qk_head_dim, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = nn.Linear(D, c.kv_lora_rank + c.qk_rope_head_dim, bias=False, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.latent_norm_eps, dtype)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False, dtype=dtype)
+        self.g_proj = nn.Linear(D, H * c.v_head_dim, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(H * c.v_head_dim, D, bias=False, dtype=dtype)
+
+    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        c = self.cfg
+        B, T, _ = x_BTD.shape
+        H, N, R, V = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        q_BTHK = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, H, N + R)
+        c_BTC, k_r_BTR = self.kv_a_proj_with_mqa(x_BTD).split([c.kv_lora_rank, R], dim=-1)
+        kv_BTHX = self.kv_b_proj(self.kv_a_layernorm(c_BTC)).view(B, T, H, N + V)
+        k_n_BTHN, v_BTHV = kv_BTHX.split([N, V], dim=-1)
+        k_BTHK = torch.cat([k_n_BTHN, k_r_BTR.unsqueeze(2).expand(B, T, H, R)], dim=-1)
+        o_BTHV = mla_attention(q_BTHK, k_BTHK, v_BTHV, scale=c.softmax_scale, cu_seqlens=cu_seqlens)
+        o_BTP = o_BTHV.reshape(B, T, H * V) * torch.sigmoid(self.g_proj(x_BTD))
+        return self.o_proj(o_BTP)

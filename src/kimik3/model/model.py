@@ -1,0 +1,86 @@
+"""The K3 text model, its causal-LM head, and the multimodal wrapper (`language_model.` prefix).
+
+Legend: B batch, T tokens, D hidden, Vocab vocabulary.
+
+    h = embed(ids); blocks = []
+    for each layer: h, blocks = layer(h, blocks)
+    logits = lm_head( norm( MIX(h, blocks; output_attn_res_*) ) )      untied head, no fp32 upcast
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kimik3.config import K3Config, TextConfig
+from kimik3.model.decoder import DecoderLayer, depth_mix
+from kimik3.model.init import init_weights
+from kimik3.model.norm import RMSNorm
+
+
+def _dtype(cfg: TextConfig, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None else getattr(torch, cfg.dtype)
+
+
+class K3TextModel(nn.Module):
+    """`model.*`: embeddings, the 93 decoder layers, the output AttnRes mix and the final norm."""
+
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = cfg
+        D = cfg.hidden_size
+        # `_weight` skips nn.Embedding's own normal_ init, which on the meta device imports torch._dynamo (~1.5 s)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, D, padding_idx=cfg.pad_token_id,
+                                         _weight=torch.empty(cfg.vocab_size, D, dtype=dtype))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.output_attn_res_proj = nn.Linear(D, 1, bias=False, dtype=dtype)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        """input_ids [B, T] -> final hidden state [B, T, D]. `cu_seqlens` packs documents into one row."""
+        h_BTD = self.embed_tokens(input_ids)
+        blocks: list[Tensor] = []
+        for layer in self.layers:
+            h_BTD, blocks = layer(h_BTD, blocks, cu_seqlens)
+        return self.norm(depth_mix(blocks, h_BTD, self.output_attn_res_norm, self.output_attn_res_proj))
+
+
+class K3ForCausalLM(nn.Module):
+    """The text model with its LM head: `model.*` and `lm_head.weight`.
+
+    Args:
+        cfg: the text config (`K3Config.text`).
+        dtype: parameter and compute dtype (default: the config's, bfloat16); the fp32 islands
+            (KDA A_log / dt_bias / conv / o_norm, the router correction bias) stay fp32 regardless.
+    """
+
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        dtype = _dtype(cfg, dtype)
+        self.config = cfg
+        self.model = K3TextModel(cfg, dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        """input_ids [B, T] int64 -> logits [B, T, Vocab] in the compute dtype."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        return self.lm_head(self.model(input_ids, cu_seqlens))
+
+    def init_weights(self, generator_seed: int | None = None) -> "K3ForCausalLM":
+        """Fresh training init (see `kimik3.model.init`). Returns self."""
+        init_weights(self, self.config.initializer_range, generator_seed)
+        return self
+
+
+class K3ForConditionalGeneration(nn.Module):
+    """The released top-level module: `language_model.*` (+ `vision_tower.*`, `mm_projector.*` with vision)."""
+
+    def __init__(self, cfg: K3Config, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = cfg
+        self.language_model = K3ForCausalLM(cfg.text, dtype)
+
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        return self.language_model(input_ids, cu_seqlens)

@@ -1,0 +1,1 @@
+"""Compute ops: reference PyTorch implementations with room for fused GPU backends."""
