@@ -48,7 +48,6 @@ class ParamReport:
     active: int  # per token, excluding the embedding, including the LM head (the model card's convention)
     active_with_embedding: int
     active_without_head: int
-    tensors: int
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -74,7 +73,6 @@ def count_parameters(model: nn.Module) -> ParamReport:
     top_k, num_experts = cfg.moe.num_experts_per_token, cfg.moe.num_experts
     # component -> instance key -> [params per instance, number of instances]
     sizes: dict[str, dict[str, list[int]]] = {c: {} for c in COMPONENTS}
-    tensors = 0
     for name, t in model.state_dict(keep_vars=True).items():
         comp = _component(name, cfg.layer_types)
         m = _LAYER.search(name)
@@ -83,7 +81,6 @@ def count_parameters(model: nn.Module) -> ParamReport:
         n = t.shape[0] if comp == "routed experts" else 1
         entry = sizes[comp].setdefault(key, [0, n])
         entry[0] += t.numel() // n
-        tensors += n
     comps = []
     for comp, per in sizes.items():
         if not per:
@@ -98,7 +95,7 @@ def count_parameters(model: nn.Module) -> ParamReport:
     total = sum(c.total for c in comps)
     active_all = sum(c.active for c in comps) - vision
     emb = by["embedding"].total
-    return ParamReport(comps, total, active_all - emb, active_all, active_all - emb - by["lm_head"].total, tensors)
+    return ParamReport(comps, total, active_all - emb, active_all, active_all - emb - by["lm_head"].total)
 
 
 def format_report(report: ParamReport, title: str = "parameters"):

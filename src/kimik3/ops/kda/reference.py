@@ -1,0 +1,148 @@
+"""Kimi Delta Attention (KDA) in plain PyTorch: a per-token recurrence and a chunked (WY/UT) form.
+
+Both functions compute the same thing; ``recurrent_kda`` is the definition, ``chunk_kda`` is the
+parallel form used for prefill and training. Everything is differentiable with autograd.
+
+Shape legend:
+    B batch, T tokens, H heads, K key dim, V value dim, N sequences (B, or len(cu_seqlens) - 1),
+    C chunk length (CHUNK_SIZE, the last chunk of a sequence may be shorter).
+
+Per (sequence, head) the state S is K x V and each token t does
+    S <- diag(exp(g_t)) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T (scale q_t).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kimik3.ops.varlen import check_cu_seqlens
+
+CHUNK_SIZE = 64
+
+
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens) -> list[int] | None:
+    """Raise ValueError on malformed input; return cu_seqlens as Python ints (None when not packed)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"g must have the shape of q {tuple(q.shape)}, got {tuple(g.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating point tensor, got {x.dtype}")
+
+    if cu_seqlens is None:
+        bounds = None
+        N = B
+    else:
+        check_cu_seqlens(cu_seqlens, T, B)
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        N = len(bounds) - 1
+
+    if initial_state is not None:
+        want = (N, H, K, v.shape[-1])
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state must be [N, H, K, V] = {list(want)}, got {tuple(initial_state.shape)}")
+        if not initial_state.is_floating_point():
+            raise ValueError(f"initial_state must be a floating point tensor, got {initial_state.dtype}")
+    return bounds
+
+
+def _recurrent_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
+    """q, k, g: [B, H, T, K] (q already scaled); v: [B, H, T, V]; beta: [B, H, T]; S: [B, H, K, V]."""
+    outs = []
+    for t in range(q.shape[2]):
+        S = S * g[:, :, t, :, None].exp()
+        u = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, :, t]))
+        S = S + k[:, :, t, :, None] * u[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
+    o = torch.stack(outs, dim=2) if outs else v.new_zeros(v.shape)
+    return o, S
+
+
+def _chunk_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
+    """Same contract as _recurrent_core, computed chunk by chunk with the WY/UT transform."""
+    T = q.shape[2]
+    outs = []
+    for start in range(0, T, CHUNK_SIZE):
+        window = slice(start, min(start + CHUNK_SIZE, T))
+        qc, kc, vc, bc = q[:, :, window], k[:, :, window], v[:, :, window], beta[:, :, window, None]
+        G = g[:, :, window].cumsum(dim=2)  # [B, H, C, K], inclusive log decay from the chunk start
+        C = G.shape[2]
+
+        # Pairwise decay exp(G_t - G_s) for s <= t. G falls to about -320 inside a chunk, so factoring
+        # this as exp(G_t) * exp(-G_s) would overflow; only differences G_t - G_s with s <= t (all <= 0)
+        # are exponentiated, and exp(G_t) alone is the decay from the chunk start (it may underflow to 0,
+        # which is the right answer). The s > t half is set to -inf before exp: exp(+320) would be inf
+        # there and turn the masked-out zeros into NaN gradients.
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        diff = G[:, :, :, None, :] - G[:, :, None, :, :]  # [B, H, C(t), C(s), K]
+        decay = torch.where(causal[:, :, None], diff, float("-inf")).exp()
+        kk = torch.einsum("bhtd,bhsd,bhtsd->bhts", kc, kc, decay)
+        qk = torch.einsum("bhtd,bhsd,bhtsd->bhts", qc, kc, decay)  # includes s == t
+
+        # The intra-chunk part of the recurrence is u_t + sum_{s<t} A[t,s] u_s = beta_t (v_t - S_t0^T k_t),
+        # a unit lower-triangular system; solving it once for both right-hand sides gives
+        # w = T(beta k exp(G)) and u = T(beta v) with T = (I + A)^-1.
+        A = (bc * kk).tril(-1)
+        eye = torch.eye(C, dtype=A.dtype, device=A.device)
+        rhs = torch.cat([bc * kc * G.exp(), bc * vc], dim=-1)
+        wu = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+        w, u = wu.split([k.shape[-1], v.shape[-1]], dim=-1)
+        U = u - w @ S  # [B, H, C, V], the delta-rule updates with the carried state folded in
+
+        outs.append((qc * G.exp()) @ S + qk @ U)
+        G_last = G[:, :, -1:]  # [B, H, 1, K]
+        S = G_last.transpose(-1, -2).exp() * S + (kc * (G_last - G).exp()).transpose(-1, -2) @ U
+    o = torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape)
+    return o, S
+
+
+def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    bounds = _validate(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    # fp32 math for fp32/bf16/fp16 inputs; fp64 inputs stay fp64 (tests, gradcheck).
+    dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype) else torch.float32
+
+    # Work in [B, H, T, *]: batch and heads lead, so every per-chunk product is one batched matmul.
+    qf, kf, vf, gf = (x.to(dtype).transpose(1, 2) for x in (q, k, v, g))
+    qf = qf * scale
+    bf = beta.to(dtype).transpose(1, 2)
+    N = B if bounds is None else len(bounds) - 1
+    S0 = q.new_zeros(N, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
+
+    if bounds is None:
+        o, S = core(qf, kf, vf, gf, bf, S0)
+    else:
+        # Each packed sequence runs on its own with its own state row, so no token sees another sequence.
+        pieces, states = [], []
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            seq = slice(lo, hi)
+            oi, Si = core(qf[:, :, seq], kf[:, :, seq], vf[:, :, seq], gf[:, :, seq], bf[:, :, seq], S0[i : i + 1])
+            pieces.append(oi)
+            states.append(Si)
+        o, S = torch.cat(pieces, dim=2), torch.cat(states, dim=0)
+    return o.transpose(1, 2).to(v.dtype), (S if output_final_state else None)
+
+
+def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+                  initial_state: Tensor | None = None, output_final_state: bool = False,
+                  cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Token-by-token KDA; the definition. See kimik3.ops.kda.recurrent_kda for the contract."""
+    return _run(_recurrent_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+              initial_state: Tensor | None = None, output_final_state: bool = False,
+              cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Chunked KDA (CHUNK_SIZE tokens per step, WY/UT transform). See kimik3.ops.kda.chunk_kda."""
+    return _run(_chunk_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)

@@ -1,0 +1,56 @@
+"""Shared test helpers: configs, relative error, and fully random weights for the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kimik3.config import K3Config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64; NaN never passes (it compares False against any bound)."""
+    out, ref = out.double(), ref.double()
+    err = ((out - ref).norm() / ref.norm()).item()
+    return err if torch.isfinite(out).all() else float("nan")
+
+
+@pytest.fixture(scope="session")
+def k3_config() -> K3Config:
+    return K3Config.from_file(CONFIGS / "k3.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> K3Config:
+    return K3Config.from_file(CONFIGS / "tiny.json")
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random values in every tensor (never the structured training init), keeping the KDA islands sane.
+
+    Pseudo-queries and correction biases get random values too, so AttnRes mixes and routing are non-trivial.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("A_log"):
+            v = torch.rand(t.shape, generator=g) * 2.0 - 1.0
+        elif name.endswith("dt_bias"):
+            v = torch.randn(t.shape, generator=g) * 0.5
+        elif name.endswith("norm.weight"):
+            v = 1.0 + 0.2 * torch.randn(t.shape, generator=g)
+        elif name.endswith("_res_proj.weight"):
+            v = torch.randn(t.shape, generator=g)
+        elif name.endswith("e_score_correction_bias"):
+            v = 0.05 * torch.randn(t.shape, generator=g)
+        elif name.endswith("conv1d.weight"):
+            v = 0.5 * torch.randn(t.shape, generator=g)
+        else:
+            v = torch.randn(t.shape, generator=g) / max(t.shape[-1], 1) ** 0.5
+        t.copy_(v.to(t.dtype))
+    return model
