@@ -99,3 +99,16 @@ def test_params_cli_json(capsys):
 def test_params_cli_bad_config(capsys, tmp_path):
     assert main(["params", str(tmp_path / "nope.json")]) == 2
     assert "no config file" in capsys.readouterr().err
+
+
+def test_packed_experts_count_and_map_the_same(released_meta, k3_config):
+    from kimik3.model.moe import pack_experts
+
+    with torch.device("meta"):
+        packed = pack_experts(K3ForConditionalGeneration(k3_config))
+    assert count_parameters(packed).total == count_parameters(released_meta).total
+    layer = "language_model.model.layers.5.block_sparse_moe.experts"
+    dense = {s.name: s for s in checkpoint_specs(released_meta, "bf16") if s.name.startswith(layer)}
+    assert {s.name: s for s in checkpoint_specs(packed, "bf16") if s.name.startswith(layer)} == dense
+    mx = [s for s in checkpoint_specs(packed, "mxfp4") if s.name.startswith(layer)]
+    assert mx == [s for s in checkpoint_specs(released_meta, "mxfp4") if s.name.startswith(layer)]

@@ -201,3 +201,20 @@ def test_router_bias_selects_only(tiny_config):
     assert moe.gate.e_score_correction_bias.dtype == torch.float32
     assert "gate.e_score_correction_bias" in moe.state_dict()
     assert "gate.e_score_correction_bias" not in dict(moe.named_parameters())  # not trained by gradients
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_equal_dequantized(tiny_config, dtype):
+    from kimik3.model.moe import pack_experts
+    from kimik3.ops.mxfp4 import decode, encode
+
+    moe = randomize(LatentMoE(tiny_config.text, dtype), seed=9)
+    with torch.no_grad():  # make the dense experts exactly representable, then pack them
+        for name in ("w1", "w2", "w3"):
+            w = getattr(moe.experts, name)
+            w.copy_(decode(*encode(w), dtype))
+    x = torch.randn(3, 7, tiny_config.text.hidden_size).to(dtype)
+    dense = moe(x)
+    pack_experts(moe)
+    assert type(moe.experts).__name__ == "MXFP4Experts"
+    assert torch.equal(moe(x), dense)

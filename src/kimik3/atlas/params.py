@@ -77,10 +77,12 @@ def count_parameters(model: nn.Module) -> ParamReport:
         comp = _component(name, cfg.layer_types)
         m = _LAYER.search(name)
         key = m.group(1) if m else name.split(".")[0]
-        # stacked experts [E, out, in] are E instances (one per expert of the layer)
+        # stacked experts [E, out, in] are E instances (one per expert of the layer); a packed MXFP4 byte
+        # holds two parameters and scale bytes hold none
         n = t.shape[0] if comp == "routed experts" else 1
+        per_byte = 2 if name.endswith("_packed") else 0 if name.endswith("_scale") else 1
         entry = sizes[comp].setdefault(key, [0, n])
-        entry[0] += t.numel() // n
+        entry[0] += t.numel() // n * per_byte
     comps = []
     for comp, per in sizes.items():
         if not per:

@@ -1,7 +1,8 @@
 """The key map between our modules and the released checkpoint: structural deviations only.
 
 Our parameter names ARE the released names, with one deviation: routed experts are stacked
-`...block_sparse_moe.experts.w{1,2,3}` [E, out, in], where the checkpoint has one tensor per expert,
+`...block_sparse_moe.experts.w{1,2,3}` [E, out, in] (or, kept packed, `.w{1,2,3}_packed` [E, out, in/2] and
+`.w{1,2,3}_scale` [E, out, in/32]), where the checkpoint has one tensor per expert,
 `...experts.{e}.w{1,2,3}.weight` (bf16) or `.weight_packed` uint8 [out, in/2] + `.weight_scale` uint8
 [out, in/32] (MXFP4). A text-only module (`K3ForCausalLM`) gets the `language_model.` prefix.
 """
@@ -19,7 +20,7 @@ TEXT_PREFIX = "language_model."
 EXPERT_FORMATS = ("mxfp4", "bf16")
 MXFP4_GROUP = 32
 
-_STACKED = re.compile(r"^(?P<head>.+\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
+_STACKED = re.compile(r"^(?P<head>.+\.block_sparse_moe\.experts)\.(?P<w>w[123])(?P<part>|_packed|_scale)$")
 _PER_EXPERT = re.compile(r"^(?P<head>.+\.block_sparse_moe\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\."
                          r"(?P<part>weight|weight_packed|weight_scale)$")
 
@@ -37,7 +38,7 @@ class TensorSpec:
 class ExpertKey:
     """A per-expert checkpoint name parsed into the stacked parameter it belongs to."""
 
-    stacked: str  # our parameter name, e.g. language_model.model.layers.3.block_sparse_moe.experts.w1
+    stacked: str  # our tensor name: ...experts.w1 ("weight"), ...experts.w1_packed, ...experts.w1_scale
     expert: int
     part: str  # "weight", "weight_packed" or "weight_scale"
 
@@ -46,7 +47,8 @@ def parse_expert_key(name: str) -> ExpertKey | None:
     m = _PER_EXPERT.match(name)
     if m is None:
         return None
-    return ExpertKey(f"{m['head']}.{m['w']}", int(m["e"]), m["part"])
+    suffix = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}[m["part"]]
+    return ExpertKey(f"{m['head']}.{m['w']}{suffix}", int(m["e"]), m["part"])
 
 
 def checkpoint_prefix(model: nn.Module) -> str:
@@ -55,10 +57,16 @@ def checkpoint_prefix(model: nn.Module) -> str:
 
 
 def expert_specs(name: str, shape: tuple[int, ...], dtype: torch.dtype, experts: str) -> Iterator[TensorSpec]:
-    """Unstack one stacked expert parameter [E, out, in] into its per-expert checkpoint tensors."""
+    """Unstack one stacked expert tensor into its per-expert checkpoint tensors.
+
+    `name` is a dense `...experts.w1` [E, out, in] or a packed `...experts.w1_packed` [E, out, in/2] (whose
+    `_scale` partner adds nothing: it is emitted here); `dtype` is the dense dtype for bf16 output.
+    """
     m = _STACKED.match(name)
-    assert m is not None, name
+    assert m is not None and m["part"] != "_scale", name
     E, out, inp = shape
+    if m["part"] == "_packed":
+        inp, dtype = inp * 2, torch.bfloat16
     for e in range(E):
         base = f"{m['head']}.{e}.{m['w']}"
         if experts == "mxfp4":
@@ -81,7 +89,8 @@ def checkpoint_specs(model: nn.Module, experts: str = "mxfp4") -> list[TensorSpe
     for name, t in model.state_dict(keep_vars=True).items():
         name = prefix + name
         if is_stacked_expert(name):
-            specs.extend(expert_specs(name, tuple(t.shape), t.dtype, experts))
+            if not name.endswith("_scale"):
+                specs.extend(expert_specs(name, tuple(t.shape), t.dtype, experts))
         else:
             specs.append(TensorSpec(name, tuple(t.shape), t.dtype))
     return specs

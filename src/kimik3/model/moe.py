@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from kimik3.config import TextConfig
 from kimik3.model.mlp import MLP
 from kimik3.model.norm import RMSNorm
-from kimik3.ops.moe import routed_experts
+from kimik3.ops.moe import routed_experts, routed_experts_mxfp4
+from kimik3.ops.mxfp4 import encode, packed_shapes
 
 
 class Router(nn.Module):
@@ -52,6 +53,29 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, width, latent, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, width, dtype=dtype))
 
+    def forward(self, z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, beta: float, linear_beta: float) -> Tensor:
+        return routed_experts(z_NL, idx_NA, w_NA, self.w1, self.w3, self.w2, beta, linear_beta)
+
+
+class MXFP4Experts(nn.Module):
+    """The routed experts kept MXFP4-packed in memory (W4A16): `w{1,3,2}_packed` uint8 [E, out, in/2] and
+    `w{1,3,2}_scale` uint8 E8M0 [E, out, in/32], buffers (packed weights are not trained).
+
+    Same math as `Experts` on the exactly dequantized weights; built by `pack_experts`.
+    """
+
+    def __init__(self, num_experts: int, latent: int, width: int):
+        super().__init__()
+        for name, (out, inp) in (("w1", (width, latent)), ("w3", (width, latent)), ("w2", (latent, width))):
+            (p_shape, s_shape) = packed_shapes(out, inp)
+            self.register_buffer(f"{name}_packed", torch.empty(num_experts, *p_shape, dtype=torch.uint8))
+            self.register_buffer(f"{name}_scale", torch.empty(num_experts, *s_shape, dtype=torch.uint8))
+
+    def forward(self, z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, beta: float, linear_beta: float) -> Tensor:
+        packed = (self.w1_packed, self.w3_packed, self.w2_packed)
+        scales = (self.w1_scale, self.w3_scale, self.w2_scale)
+        return routed_experts_mxfp4(z_NL, idx_NA, w_NA, packed, scales, beta, linear_beta)
+
 
 class LatentMoE(nn.Module):
     def __init__(self, cfg: TextConfig, dtype: torch.dtype | None = None):
@@ -69,9 +93,30 @@ class LatentMoE(nn.Module):
         x_ND = x.reshape(-1, x.shape[-1])
         idx_NA, w_NA, _ = self.gate(x_ND)
         z_NL = self.routed_expert_down_proj(x_ND)
-        ex = self.experts
-        r_NL = routed_experts(z_NL, idx_NA, w_NA, ex.w1, ex.w3, ex.w2, self.beta, self.linear_beta)
+        r_NL = self.experts(z_NL, idx_NA, w_NA, self.beta, self.linear_beta)
         if self.routed_expert_norm is not None:
             r_NL = self.routed_expert_norm(r_NL)
         out_ND = self.routed_expert_up_proj(r_NL) + self.shared_experts(x_ND)
         return out_ND.view(x.shape)
+
+
+@torch.no_grad()
+def pack_experts(model: nn.Module) -> nn.Module:
+    """Replace every `Experts` in `model` by `MXFP4Experts` (in place; returns `model`).
+
+    Real weights are encoded with the OCP MX rule (exact for weights that came from MXFP4); on the meta
+    device only the structure changes (the loader then fills the packed buffers).
+    """
+    for moe in [m for m in model.modules() if isinstance(m, LatentMoE)]:
+        old = moe.experts
+        if not isinstance(old, Experts):
+            continue
+        E, F, L = old.w1.shape
+        new = MXFP4Experts(E, L, F).to(old.w1.device)
+        if old.w1.device.type != "meta":
+            for name in ("w1", "w3", "w2"):
+                p, s = encode(getattr(old, name))
+                getattr(new, f"{name}_packed").copy_(p)
+                getattr(new, f"{name}_scale").copy_(s)
+        moe.experts = new
+    return model

@@ -9,21 +9,41 @@ The loop synchronizes with the host per expert; the grouped GEMM paths exist for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+from kimik3.ops.mxfp4 import decode
 from kimik3.ops.situ import situ_glu
+
+ExpertWeights = Callable[[int], tuple[Tensor, Tensor, Tensor]]  # expert -> (w1 [F, L], w3 [F, L], w2 [L, F])
+
+
+def _expert_loop(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, num_experts: int, weights: ExpertWeights,
+                 beta: float, linear_beta: float) -> Tensor:
+    out_NL = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+    for e in range(num_experts):
+        tok, slot = (topk_idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        w1_FL, w3_FL, w2_LF = weights(e)
+        z_nL = z[tok]
+        h_nF = situ_glu(z_nL @ w1_FL.T, z_nL @ w3_FL.T, beta, linear_beta)
+        y_nL = h_nF @ w2_LF.T
+        out_NL = out_NL.index_add(0, tok, y_nL.float() * topk_weight[tok, slot, None])
+    return out_NL.to(z.dtype)
 
 
 def routed_experts(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
                    beta: float, linear_beta: float) -> Tensor:
-    out_NL = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-    for e in range(w1.shape[0]):
-        tok, slot = (topk_idx == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        z_nL = z[tok]
-        h_nF = situ_glu(z_nL @ w1[e].T, z_nL @ w3[e].T, beta, linear_beta)
-        y_nL = h_nF @ w2[e].T
-        out_NL = out_NL.index_add(0, tok, y_nL.float() * topk_weight[tok, slot, None])
-    return out_NL.to(z.dtype)
+    return _expert_loop(z, topk_idx, topk_weight, w1.shape[0], lambda e: (w1[e], w3[e], w2[e]), beta, linear_beta)
+
+
+def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: tuple[Tensor, Tensor, Tensor],
+                         scales: tuple[Tensor, Tensor, Tensor], beta: float, linear_beta: float) -> Tensor:
+    # dequantization is exact, so this equals routed_experts on the decoded weights
+    def weights(e: int) -> tuple[Tensor, Tensor, Tensor]:
+        return tuple(decode(p[e], s[e], z.dtype) for p, s in zip(packed, scales))
+
+    return _expert_loop(z, topk_idx, topk_weight, packed[0].shape[0], weights, beta, linear_beta)
