@@ -35,6 +35,9 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Random values in every tensor (never the structured training init), keeping the KDA islands sane.
 
     Pseudo-queries and correction biases get random values too, so AttnRes mixes and routing are non-trivial.
+    Matrices get half the unit-gain scale and pseudo-queries 0.1: with unit-gain random weights the
+    7-layer model is so sensitive that its own fp32 forward is only ~1e-5 away from fp64, leaving no room
+    for the 1e-5 fp32 comparisons; at these scales fp32 noise is ~3e-6 and every path is still exercised.
     """
     g = torch.Generator().manual_seed(seed)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -45,12 +48,18 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         elif name.endswith("norm.weight"):
             v = 1.0 + 0.2 * torch.randn(t.shape, generator=g)
         elif name.endswith("_res_proj.weight"):
-            v = torch.randn(t.shape, generator=g)
+            v = 0.1 * torch.randn(t.shape, generator=g)
         elif name.endswith("e_score_correction_bias"):
             v = 0.05 * torch.randn(t.shape, generator=g)
         elif name.endswith("conv1d.weight"):
             v = 0.5 * torch.randn(t.shape, generator=g)
         else:
-            v = torch.randn(t.shape, generator=g) / max(t.shape[-1], 1) ** 0.5
+            v = 0.5 * torch.randn(t.shape, generator=g) / max(t.shape[-1], 1) ** 0.5
         t.copy_(v.to(t.dtype))
     return model
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Every test draws the same random inputs on every run."""
+    torch.manual_seed(1234)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
+from kimik3.model.cache import CacheStep, KDAState, MLALatents
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.mla import MultiHeadLatentAttention
 from kimik3.model.mlp import MLP
@@ -51,12 +52,16 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, partial: Tensor, blocks: list[Tensor], cu_seqlens: Tensor | None = None
+    def forward(self, partial: Tensor, blocks: list[Tensor], cu_seqlens: Tensor | None = None,
+                cache: KDAState | MLALatents | None = None, step: CacheStep | None = None
                 ) -> tuple[Tensor, list[Tensor]]:
-        """Returns the new running sum and the (possibly extended) list of stored blocks."""
+        """Returns the new running sum and the (possibly extended) list of stored blocks.
+
+        `cache` is this layer's entry of a HybridCache (updated in place), `step` the positions of this call.
+        """
         a = depth_mix(blocks, partial, self.self_attention_res_norm, self.self_attention_res_proj) if blocks \
             else partial
-        o = self.self_attn(self.input_layernorm(a), cu_seqlens)
+        o = self.self_attn(self.input_layernorm(a), cu_seqlens, cache, step)
         if self.starts_block:
             blocks = [*blocks, partial]
             partial = o

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
+from kimik3.model.cache import CacheStep, KDAState
 from kimik3.model.norm import GatedRMSNorm
 from kimik3.ops.kda import chunk_kda
 from kimik3.ops.varlen import positions
@@ -82,16 +83,37 @@ class KimiDeltaAttention(nn.Module):
         a_H11 = self.A_log[:H].float().exp().view(H, 1)
         return self.lower_bound * torch.sigmoid(a_H11 * (g_raw_BTHK.float() + self.dt_bias.float().view(H, K)))
 
-    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, cache: KDAState | None = None,
+                step: CacheStep | None = None) -> Tensor:
+        """x [B, T, D] -> [B, T, D]. With `cache` (and its `step`), continue from and update the cached state."""
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
-        q_BTHK = self.q_conv1d(self.q_proj(x_BTD), cu_seqlens).view(B, T, H, K)
-        k_BTHK = self.k_conv1d(self.k_proj(x_BTD), cu_seqlens).view(B, T, H, K)
-        v_BTHK = self.v_conv1d(self.v_proj(x_BTD), cu_seqlens).view(B, T, H, K)
+        valid_BT1 = step.valid[..., None] if step is not None else None
+
+        def conv(mod: ShortConvolution, proj: nn.Linear, tail: Tensor | None) -> Tensor:
+            y_BTP = proj(x_BTD)
+            if valid_BT1 is not None:  # left padding feeds zeros, as the conv's own zero padding would
+                y_BTP = torch.where(valid_BT1, y_BTP, 0)
+            if tail is None:
+                return mod(y_BTP, cu_seqlens).view(B, T, H, K)
+            full = torch.cat([tail, y_BTP], dim=1)
+            tail.copy_(full[:, -tail.shape[1]:])
+            return mod(full)[:, -T:].view(B, T, H, K)
+
+        q_BTHK = conv(self.q_conv1d, self.q_proj, cache.conv_q if cache else None)
+        k_BTHK = conv(self.k_conv1d, self.k_proj, cache.conv_k if cache else None)
+        v_BTHK = conv(self.v_conv1d, self.v_proj, cache.conv_v if cache else None)
         g_BTHK = self.decay(self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K))
         beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
-        o_BTHK, _ = chunk_kda(l2_normalize(q_BTHK), l2_normalize(k_BTHK), v_BTHK, g_BTHK, beta_BTH,
-                              scale=K**-0.5, cu_seqlens=cu_seqlens)
+        if valid_BT1 is not None:  # a pad token neither decays nor writes the state
+            g_BTHK = torch.where(valid_BT1[..., None], g_BTHK, 0)
+            beta_BTH = torch.where(valid_BT1, beta_BTH, 0)
+        o_BTHK, state = chunk_kda(l2_normalize(q_BTHK), l2_normalize(k_BTHK), v_BTHK, g_BTHK, beta_BTH,
+                                  scale=K**-0.5, cu_seqlens=cu_seqlens,
+                                  initial_state=cache.recurrent if cache else None,
+                                  output_final_state=cache is not None)
+        if cache is not None:
+            cache.recurrent.copy_(state)
         o_BTHK = self.o_norm(o_BTHK, self.g_proj(x_BTD).view(B, T, H, K))
         return self.o_proj(o_BTHK.reshape(B, T, H * K))
 

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
+from kimik3.model.cache import CacheStep, MLALatents
 from kimik3.model.norm import RMSNorm
-from kimik3.ops.mla import mla_attention
+from kimik3.ops.mla import mla_attention, mla_latent_attention
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -35,15 +36,24 @@ class MultiHeadLatentAttention(nn.Module):
         self.g_proj = nn.Linear(D, H * c.v_head_dim, bias=False, dtype=dtype)
         self.o_proj = nn.Linear(H * c.v_head_dim, D, bias=False, dtype=dtype)
 
-    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, cache: MLALatents | None = None,
+                step: CacheStep | None = None) -> Tensor:
+        """x [B, T, D] -> [B, T, D]. Without a cache: expanded causal attention (prefill, training).
+        With `cache`: append the new latents and attend over the cache with the up-projections absorbed."""
         c = self.cfg
         B, T, _ = x_BTD.shape
         H, N, R, V = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         q_BTHK = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, H, N + R)
         c_BTC, k_r_BTR = self.kv_a_proj_with_mqa(x_BTD).split([c.kv_lora_rank, R], dim=-1)
-        kv_BTHX = self.kv_b_proj(self.kv_a_layernorm(c_BTC)).view(B, T, H, N + V)
-        k_n_BTHN, v_BTHV = kv_BTHX.split([N, V], dim=-1)
-        k_BTHK = torch.cat([k_n_BTHN, k_r_BTR.unsqueeze(2).expand(B, T, H, R)], dim=-1)
-        o_BTHV = mla_attention(q_BTHK, k_BTHK, v_BTHV, scale=c.softmax_scale, cu_seqlens=cu_seqlens)
+        c_BTC = self.kv_a_layernorm(c_BTC)
+        if cache is not None:
+            end = step.start + T
+            cache.latent[:, step.start:end] = torch.cat([c_BTC, k_r_BTR], dim=-1)
+            o_BTHV = mla_latent_attention(q_BTHK, cache.latent[:, :end], self.kv_b_proj.weight, qk_nope_head_dim=N,
+                                          scale=c.softmax_scale, mask=step.mla_mask)
+        else:
+            k_n_BTHN, v_BTHV = self.kv_b_proj(c_BTC).view(B, T, H, N + V).split([N, V], dim=-1)
+            k_BTHK = torch.cat([k_n_BTHN, k_r_BTR.unsqueeze(2).expand(B, T, H, R)], dim=-1)
+            o_BTHV = mla_attention(q_BTHK, k_BTHK, v_BTHV, scale=c.softmax_scale, cu_seqlens=cu_seqlens)
         o_BTP = o_BTHV.reshape(B, T, H * V) * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o_BTP)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.config import K3Config, TextConfig
+from kimik3.model.cache import HybridCache
 from kimik3.model.decoder import DecoderLayer, depth_mix
 from kimik3.model.init import init_weights
 from kimik3.model.norm import RMSNorm
@@ -37,12 +38,19 @@ class K3TextModel(nn.Module):
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False, dtype=dtype)
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        """input_ids [B, T] -> final hidden state [B, T, D]. `cu_seqlens` packs documents into one row."""
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
+                attention_mask: Tensor | None = None) -> Tensor:
+        """input_ids [B, T] -> final hidden state [B, T, D] (see K3ForCausalLM.forward)."""
+        if cache is not None and cu_seqlens is not None:
+            raise ValueError("cu_seqlens packs documents for cache-less forwards; with a cache, left-pad the "
+                             "batch and pass attention_mask")
+        if attention_mask is not None and cache is None:
+            raise ValueError("attention_mask (left padding) needs a cache; pack documents with cu_seqlens instead")
+        step = cache.advance(input_ids.shape[1], attention_mask) if cache is not None else None
         h_BTD = self.embed_tokens(input_ids)
         blocks: list[Tensor] = []
-        for layer in self.layers:
-            h_BTD, blocks = layer(h_BTD, blocks, cu_seqlens)
+        for i, layer in enumerate(self.layers):
+            h_BTD, blocks = layer(h_BTD, blocks, cu_seqlens, cache.layers[i] if cache else None, step)
         return self.norm(depth_mix(blocks, h_BTD, self.output_attn_res_norm, self.output_attn_res_proj))
 
 
@@ -62,11 +70,24 @@ class K3ForCausalLM(nn.Module):
         self.model = K3TextModel(cfg, dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
-    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        """input_ids [B, T] int64 -> logits [B, T, Vocab] in the compute dtype."""
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
+                attention_mask: Tensor | None = None) -> Tensor:
+        """input_ids [B, T] int64 -> logits [B, T, Vocab] in the compute dtype.
+
+        Args:
+            cu_seqlens: [N+1] document boundaries packed in one row (B == 1); no token sees another document.
+            cache: from `new_cache`; the new tokens run against it and are appended to it (prefill, chunked
+                prefill, or decode of one or more tokens per sequence).
+            attention_mask: [B, T] 1 for real tokens, 0 for left padding (ragged batches; needs a cache).
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        return self.lm_head(self.model(input_ids, cu_seqlens))
+        return self.lm_head(self.model(input_ids, cu_seqlens, cache, attention_mask))
+
+    def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
+        """An empty cache for `batch_size` sequences of up to `max_length` tokens, on the model's device."""
+        w = self.lm_head.weight
+        return HybridCache(self.config, batch_size, max_length, w.dtype, w.device)
 
     def init_weights(self, generator_seed: int | None = None) -> "K3ForCausalLM":
         """Fresh training init (see `kimik3.model.init`). Returns self."""
@@ -82,5 +103,9 @@ class K3ForConditionalGeneration(nn.Module):
         self.config = cfg
         self.language_model = K3ForCausalLM(cfg.text, dtype)
 
-    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        return self.language_model(input_ids, cu_seqlens)
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
+                attention_mask: Tensor | None = None) -> Tensor:
+        return self.language_model(input_ids, cu_seqlens, cache, attention_mask)
+
+    def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
+        return self.language_model.new_cache(batch_size, max_length)

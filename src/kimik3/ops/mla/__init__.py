@@ -19,3 +19,22 @@ def mla_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: 
         [B, T, H, V] in `q.dtype`.
     """
     return reference.mla_attention(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
+
+
+def mla_latent_attention(q: Tensor, latent: Tensor, kv_b_weight: Tensor, *, qk_nope_head_dim: int,
+                         scale: float, mask: Tensor) -> Tensor:
+    """Attention of new queries over the MLA latent cache, up-projections absorbed (no per-head K/V).
+
+    Args:
+        q: [B, T, H, N+R] queries as produced by q_b_proj (per head: N nope dims, then R shared-key dims).
+        latent: [B, S, C+R] cache rows: kv_a_layernorm(c) (C) then the shared key k_r (R).
+        kv_b_weight: [H*(N+V), C] the kv_b_proj weight (per head: N key rows, then V value rows).
+        qk_nope_head_dim: N.
+        scale: softmax scale ((N+R)**-0.5).
+        mask: [B, T, S] bool, True where a query may attend a cached position.
+
+    Returns:
+        [B, T, H, V] in `q.dtype`; equal to expanded attention with K = [W_kb c ; k_r], V = W_vb c.
+    """
+    return reference.mla_latent_attention(q, latent, kv_b_weight, qk_nope_head_dim=qk_nope_head_dim, scale=scale,
+                                          mask=mask)

@@ -1,0 +1,117 @@
+"""The defining inference invariant: cached prefill + decode == one full forward (fp32, tiny config)."""
+
+import pytest
+import torch
+
+from kimik3.model import K3ForCausalLM
+from kimik3.model.cache import KDAState, MLALatents
+from tests.conftest import randomize, rel_err
+
+
+@pytest.fixture(scope="module")
+def model(tiny_config):
+    return randomize(K3ForCausalLM(tiny_config.text, torch.float32), seed=21)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prefix", [1, 5, 70])
+def test_prefill_then_decode_equals_full_forward(model, prefix):
+    ids = torch.randint(0, model.config.vocab_size, (2, 78))
+    full = model(ids)
+    cache = model.new_cache(2, 80)
+    out = [model(ids[:, :prefix], cache=cache)]
+    for t in range(prefix, ids.shape[1]):
+        out.append(model(ids[:, t:t + 1], cache=cache))
+    assert cache.length == 78
+    assert rel_err(torch.cat(out, 1), full) < 1e-5
+
+
+@torch.no_grad()
+def test_chunked_prefill_equals_one_shot(model):
+    ids = torch.randint(0, model.config.vocab_size, (3, 100))
+    one = model(ids, cache=model.new_cache(3, 100))
+    cache = model.new_cache(3, 100)
+    chunks = [model(ids[:, a:b], cache=cache) for a, b in ((0, 7), (7, 71), (71, 72), (72, 100))]
+    assert rel_err(torch.cat(chunks, 1), one) < 1e-5
+    assert rel_err(one, model(ids)) < 1e-5
+
+
+@torch.no_grad()
+def test_multi_token_decode(model):
+    ids = torch.randint(0, model.config.vocab_size, (1, 30))
+    cache = model.new_cache(1, 30)
+    parts = [model(ids[:, :10], cache=cache), model(ids[:, 10:13], cache=cache), model(ids[:, 13:], cache=cache)]
+    assert rel_err(torch.cat(parts, 1), model(ids)) < 1e-5
+
+
+@torch.no_grad()
+def test_ragged_left_padded_batch_equals_each_alone(model):
+    """Left padding: pads stay out of MLA, leave the KDA state untouched, and feed the convs zeros."""
+    V, pad = model.config.vocab_size, model.config.pad_token_id
+    prompts = [torch.randint(0, V, (n,)) for n in (9, 3, 14)]
+    steps = 6
+    T = max(len(p) for p in prompts)
+    ids = torch.full((3, T), pad)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):], mask[i, T - len(p):] = p, 1
+    cont = torch.randint(0, V, (3, steps))
+    cache = model.new_cache(3, T + steps)
+    last = [model(ids, cache=cache, attention_mask=mask)[:, -1]]
+    for t in range(steps):
+        last.append(model(cont[:, t:t + 1], cache=cache)[:, -1])
+    batched = torch.stack(last, 1)
+    for i, p in enumerate(prompts):
+        alone = model(torch.cat([p, cont[i]])[None])[0, len(p) - 1:]
+        assert rel_err(batched[i], alone) < 1e-5, i
+
+
+@torch.no_grad()
+def test_decode_does_not_recompute_the_prefix(model):
+    """Every projection sees only the new token; KDA work is O(1) per token, MLA attends S = t keys."""
+    seen_tokens, mla_keys = [], []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: seen_tokens.append(inp[0].shape[1]))
+             for name, m in model.named_modules() if name.endswith(("q_proj", "q_a_proj"))]
+    import kimik3.model.mla as mla_mod
+
+    real = mla_mod.mla_latent_attention
+
+    def spy(q, latent, *a, **kw):
+        mla_keys.append(latent.shape[1])
+        return real(q, latent, *a, **kw)
+
+    mla_mod.mla_latent_attention = spy
+    try:
+        ids = torch.randint(0, model.config.vocab_size, (2, 40))
+        cache = model.new_cache(2, 40)
+        model(ids[:, :32], cache=cache)
+        seen_tokens.clear(), mla_keys.clear()
+        for t in range(32, 40):
+            model(ids[:, t:t + 1], cache=cache)
+    finally:
+        mla_mod.mla_latent_attention = real
+        for h in hooks:
+            h.remove()
+    n_attn = len(model.config.layer_types)
+    assert seen_tokens == [1] * (8 * n_attn)
+    n_mla = model.config.layer_types.count("mla")
+    assert mla_keys == [t + 1 for t in range(32, 40) for _ in range(n_mla)]
+
+
+def test_cache_shapes_and_errors(model, tiny_config):
+    cache = model.new_cache(2, 16)
+    t = tiny_config.text
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [KDAState if k == "kda" else MLALatents for k in t.layer_types]
+    kda = next(layer for layer in cache.layers if isinstance(layer, KDAState))
+    assert kda.recurrent.shape == (2, t.kda.num_heads, t.kda.head_dim, t.kda.head_dim)
+    assert kda.recurrent.dtype == torch.float32
+    assert kda.conv_q.shape == (2, t.kda.short_conv_kernel_size - 1, t.kda.proj_dim)
+    mla = next(layer for layer in cache.layers if isinstance(layer, MLALatents))
+    assert mla.latent.shape == (2, 16, t.mla.kv_lora_rank + t.mla.qk_rope_head_dim)
+    with pytest.raises(ValueError, match="holds 16 tokens"):
+        model(torch.zeros(2, 17, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(torch.zeros(2, 4, dtype=torch.long), cache=model.new_cache(2, 8), attention_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(torch.zeros(1, 4, dtype=torch.long), cache=model.new_cache(1, 8), cu_seqlens=torch.tensor([0, 4]))
