@@ -1,0 +1,166 @@
+"""The readable generation path: left-padded batched prefill, then one decode step per token.
+
+Each step samples on the device (no host sync inside the sampler), then copies the B new ids to the host
+once: streaming needs them, and the per-sequence stop checks (ids, strings, length) run there.
+Finished sequences keep decoding in the static batch, but their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from kimik3.inference.sampling import Sampler, SamplingParams
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass
+class TokenEvent:
+    """One new token of one sequence."""
+
+    index: int  # which prompt
+    token_id: int
+    text: str  # newly completed text ('' without a tokenizer or while a UTF-8 character is incomplete)
+    finish_reason: str | None = None  # "stop" (a stop id or string) or "length", on the last event
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+
+
+class _Row:
+    """Host-side bookkeeping of one sequence: its ids, its text so far, when it stops."""
+
+    def __init__(self, params: SamplingParams, eos: Sequence[int], tokenizer: Detokenizer | None):
+        self.params, self.tokenizer = params, tokenizer
+        self.stop_ids = set(params.stop_token_ids) | set(eos)
+        self.ids: list[int] = []
+        self.text = ""
+        self.emitted = 0  # characters of self.text already streamed
+        self.finish: str | None = None
+
+    def add(self, token: int) -> str:
+        """Record a token; return the text that can now be streamed."""
+        self.ids.append(token)
+        if token in self.stop_ids:
+            self.finish = "stop"
+        elif len(self.ids) >= self.params.max_new_tokens:
+            self.finish = "length"
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.ids[:-1] if token in self.stop_ids else self.ids)
+        if self.finish is None:
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its next bytes
+        cuts = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+        if cuts:
+            text, self.finish = text[: min(cuts)], "stop"
+        self.text = text
+        # while running, hold back a tail that may still grow into a stop string
+        held = 0 if self.finish else max((k for s in self.params.stop for k in range(1, len(s))
+                                          if text.endswith(s[:k])), default=0)
+        safe = len(text) - held
+        delta = text[self.emitted:safe]
+        self.emitted = max(self.emitted, safe)
+        return delta
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    if not prompts:
+        raise ValueError("no prompts given")
+    out = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        out.append(p)
+    return out
+
+
+@torch.no_grad()
+def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+           *, tokenizer: Detokenizer | None = None, eos_token_ids: Sequence[int] = (),
+           max_context: int | None = None) -> Iterator[list[TokenEvent]]:
+    """Generate for a batch of token-id prompts, yielding each step's new tokens as they come.
+
+    Args:
+        model: a K3 model (`K3ForCausalLM` or `K3ForConditionalGeneration`) in eval mode.
+        prompts: B lists of token ids (ragged; they are left-padded internally).
+        params: one SamplingParams for all, or one per prompt.
+        tokenizer: anything with `decode(ids) -> str`; enables text deltas and stop strings.
+        eos_token_ids: ids that end every sequence (e.g. `<|end_of_msg|>`), besides each request's own.
+        max_context: the most tokens (prompt + generated) a sequence may hold; a longer prompt is an error
+            and generation stops ("length") when a sequence reaches it.
+
+    Yields:
+        per step, one TokenEvent per still-running sequence.
+    """
+    cfg = model.config.text if hasattr(model.config, "text") else model.config
+    prompts = _check_prompts(prompts, cfg.vocab_size)
+    params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling parameter sets for {len(prompts)} prompts")
+    longest = max(len(p) for p in prompts)
+    if max_context is not None:
+        if longest >= max_context:
+            raise ValueError(f"a prompt of {longest} tokens leaves no room in the allowed context of {max_context}")
+        params = [SamplingParams(**{**p.__dict__, "max_new_tokens": min(p.max_new_tokens, max_context - len(q))})
+                  for p, q in zip(params, prompts)]
+    B, device = len(prompts), next(model.parameters()).device
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    ids = torch.full((B, longest), pad, dtype=torch.long)
+    mask = torch.zeros(B, longest, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = True
+    ids, mask = ids.to(device), mask.to(device)
+
+    steps = max(p.max_new_tokens for p in params)
+    cache = model.new_cache(B, longest + steps)
+    sampler = Sampler(params, cfg.vocab_size, device)
+    sampler.observe(ids, mask)
+    rows = [_Row(p, eos_token_ids, tokenizer) for p in params]
+    logits = model(ids, cache=cache, attention_mask=mask)[:, -1]
+    for _ in range(steps):
+        tokens = sampler.sample(logits)
+        events = []
+        for i, token in enumerate(tokens.tolist()):
+            row = rows[i]
+            if row.finish is None:
+                text = row.add(token)
+                events.append(TokenEvent(i, token, text, row.finish))
+        if events:
+            yield events
+        if all(r.finish for r in rows):
+            return
+        sampler.observe(tokens[:, None])
+        logits = model(tokens[:, None], cache=cache)[:, -1]
+
+
+def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
+             params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+             tokenizer: Detokenizer | None = None, eos_token_ids: Sequence[int] = (),
+             max_context: int | None = None) -> list[Completion]:
+    """`stream` run to the end: one Completion (ids, text, finish reason) per prompt."""
+    out = [Completion(prompt_tokens=len(p)) for p in prompts]
+    for events in stream(model, prompts, params, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
+                         max_context=max_context):
+        for e in events:
+            c = out[e.index]
+            c.token_ids.append(e.token_id)
+            c.text += e.text
+            c.finish_reason = e.finish_reason
+    return out

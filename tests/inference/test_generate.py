@@ -1,0 +1,127 @@
+"""Batched generation: sampling parameters, determinism, stopping, streaming, bad input."""
+
+import pytest
+import torch
+
+from kimik3.inference import Sampler, SamplingParams, generate, stream
+from kimik3.model import K3ForCausalLM
+from tests.conftest import randomize
+
+
+class CharTokenizer:
+    """id -> one letter; enough to test text deltas and stop strings."""
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_config):
+    return randomize(K3ForCausalLM(tiny_config.text, torch.float32), seed=31).eval()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"stop": ("",)}, "stop"),
+])
+def test_invalid_sampling_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@torch.no_grad()
+def test_greedy_equals_argmax_of_full_forwards(model):
+    prompt = [5, 17, 42, 9]
+    out = generate(model, [prompt], SamplingParams(temperature=0, max_new_tokens=12))[0]
+    ids = list(prompt)
+    for _ in range(12):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert out.token_ids == ids[len(prompt):] and out.finish_reason == "length"
+
+
+def test_seeded_request_is_independent_of_its_batch(model):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_new_tokens=10)
+    alone = generate(model, [[3, 4, 5]], p)[0].token_ids
+    others = [SamplingParams(temperature=0.7, top_k=5, seed=1, max_new_tokens=4), p,
+              SamplingParams(temperature=0, max_new_tokens=10)]
+    batched = generate(model, [[9, 9, 9, 9, 9, 9], [3, 4, 5], [1]], others)
+    assert batched[1].token_ids == alone
+    assert len(batched[0].token_ids) == 4
+    assert generate(model, [[3, 4, 5]], p)[0].token_ids == alone  # deterministic under a seed
+
+
+def test_filters_that_leave_one_token_are_greedy():
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(top_k=1, seed=0), SamplingParams(min_p=1.0, seed=1),
+              SamplingParams(top_p=1e-6, seed=2), SamplingParams(temperature=0)]
+    assert torch.equal(Sampler(params, 50).sample(logits), logits.argmax(-1))
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
+    s = Sampler([SamplingParams(seed=i) for i in range(4000)], 5)
+    counts = torch.bincount(s.sample(logits.expand(4000, 5)), minlength=5).float() / 4000
+    assert (counts - logits.softmax(0)).abs().max() < 0.03
+    hot = Sampler([SamplingParams(seed=i, temperature=0.25) for i in range(4000)], 5)
+    assert torch.bincount(hot.sample(logits.expand(4000, 5)), minlength=5)[0] > 3800  # sharper
+    k2 = Sampler([SamplingParams(seed=i, top_k=2) for i in range(500)], 5)
+    assert set(k2.sample(logits.expand(500, 5)).tolist()) == {0, 1}
+
+
+def test_repetition_penalty():
+    logits = torch.tensor([[3.0, 2.9, -1.0, -1.1]])
+    s = Sampler([SamplingParams(temperature=0, repetition_penalty=2.0)], 4)
+    s.observe(torch.tensor([[0, 2]]))
+    assert s.sample(logits).item() == 1  # 3.0 / 2 < 2.9
+    s2 = Sampler([SamplingParams(temperature=0, repetition_penalty=2.0)], 4)
+    s2.observe(torch.tensor([[2]]))
+    assert s2.sample(torch.tensor([[-3.0, -5.0, -1.0, -1.1]])).item() == 3  # negatives are multiplied
+
+
+def test_stop_ids_and_strings_per_sequence(model):
+    greedy = generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=8))[0].token_ids
+    stop_at = greedy[3]
+    first = greedy.index(stop_at)
+    outs = generate(model, [[1, 2, 3], [1, 2, 3]],
+                    [SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop_at,)),
+                     SamplingParams(temperature=0, max_new_tokens=8)])
+    assert outs[0].token_ids == greedy[: first + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == greedy and outs[1].finish_reason == "length"
+
+    tok = CharTokenizer()
+    text = tok.decode(greedy)
+    stop = text[4:6]
+    out = generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=8, stop=(stop,)), tokenizer=tok)[0]
+    assert out.text == text[: text.find(stop)] and out.finish_reason == "stop"
+
+
+def test_streamed_deltas_add_up_and_never_leak_a_stop_string(model):
+    tok = CharTokenizer()
+    greedy = generate(model, [[7]], SamplingParams(temperature=0, max_new_tokens=10), tokenizer=tok)[0]
+    stop = greedy.text[5:8]
+    pieces = []
+    for events in stream(model, [[7]], SamplingParams(temperature=0, max_new_tokens=10, stop=(stop,)),
+                         tokenizer=tok):
+        assert len(events) == 1
+        pieces.append(events[0].text)
+    assert "".join(pieces) == greedy.text[: greedy.text.find(stop)]
+
+
+def test_eos_ends_generation(model):
+    greedy = generate(model, [[4, 4]], SamplingParams(temperature=0, max_new_tokens=6))[0].token_ids
+    out = generate(model, [[4, 4]], SamplingParams(temperature=0, max_new_tokens=6), eos_token_ids=[greedy[1]])[0]
+    assert out.token_ids == greedy[: greedy.index(greedy[1]) + 1]
+
+
+def test_bad_prompts(model):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, [[1, 300]])
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [[]])
+    with pytest.raises(ValueError, match="allowed context of 4"):
+        generate(model, [[1, 2, 3, 4, 5]], max_context=4)
+    out = generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=50), max_context=6)[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="2 sampling parameter sets for 1 prompts"):
+        generate(model, [[1]], [SamplingParams(), SamplingParams()])
