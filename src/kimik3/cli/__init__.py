@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kimik3.cli import params
+from kimik3.cli import memory, params
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in readable, exact, fast PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (params,):
+    for module in (params, memory):
         module.add_parser(sub)
     return parser
 
