@@ -56,7 +56,7 @@ def test_attn_res_mix_per_token_loop():
     sources = [torch.randn(2, 5, D) * (j + 1) for j in range(m)]
     partial = torch.randn(2, 5, D)
     nw, pw = torch.randn(D), torch.randn(1, D)
-    out = attn_res_mix(sources, partial, nw, pw, 1e-5)
+    out = attn_res_mix(torch.stack(sources), partial, nw, pw, 1e-5)
     ref = torch.empty(2, 5, D, dtype=torch.float64)
     for b in range(2):
         for t in range(5):
@@ -69,7 +69,7 @@ def test_attn_res_mix_per_token_loop():
             ex = [math.exp(s - mx) for s in scores]
             ref[b, t] = sum(e / sum(ex) * v for e, v in zip(ex, vals))
     assert rel_err(out, ref) < 1e-6
-    assert attn_res_mix([], partial, nw, pw, 1e-5).allclose(partial)  # one source: identity
+    assert attn_res_mix(partial.new_empty(0, 2, 5, D), partial, nw, pw, 1e-5).allclose(partial)  # identity
 
 
 def _naive_kda_layer(layer: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:

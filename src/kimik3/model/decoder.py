@@ -1,6 +1,6 @@
 """One decoder layer with block attention residuals (AttnRes) over depth (spec 2.3).
 
-Legend: B batch, T tokens, D hidden. `blocks` is the list of stored block sums (each [B, T, D]).
+Legend: B batch, T tokens, D hidden, M stored blocks. `blocks` [M, B, T, D] holds the stored block sums.
 
     a = MIX(p, blocks) if blocks else p              # attention input (p = running block sum)
     if layer starts a block: blocks += [p]; p = 0    # snapshot the PRE-mix sum, start a new block
@@ -25,7 +25,7 @@ from kimik3.model.norm import RMSNorm
 from kimik3.ops.attnres import attn_res_mix
 
 
-def depth_mix(blocks: list[Tensor], partial: Tensor, norm: RMSNorm, proj: nn.Linear) -> Tensor:
+def depth_mix(blocks: Tensor, partial: Tensor, norm: RMSNorm, proj: nn.Linear) -> Tensor:
     """AttnRes mix of the stored blocks and the running sum with one layer's (norm, proj) pair."""
     return attn_res_mix(blocks, partial, norm.weight, proj.weight, norm.eps)
 
@@ -52,18 +52,18 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, partial: Tensor, blocks: list[Tensor], cu_seqlens: Tensor | None = None,
+    def forward(self, partial: Tensor, blocks: Tensor, cu_seqlens: Tensor | None = None,
                 cache: KDAState | MLALatents | None = None, step: CacheStep | None = None
                 ) -> tuple[Tensor, list[Tensor]]:
-        """Returns the new running sum and the (possibly extended) list of stored blocks.
+        """Returns the new running sum and the (possibly extended) stack of stored blocks [M, B, T, D].
 
         `cache` is this layer's entry of a HybridCache (updated in place), `step` the positions of this call.
         """
-        a = depth_mix(blocks, partial, self.self_attention_res_norm, self.self_attention_res_proj) if blocks \
+        a = depth_mix(blocks, partial, self.self_attention_res_norm, self.self_attention_res_proj) if len(blocks) \
             else partial
         o = self.self_attn(self.input_layernorm(a), cu_seqlens, cache, step)
         if self.starts_block:
-            blocks = [*blocks, partial]
+            blocks = torch.cat([blocks, partial[None]])  # once per block: 8 times in K3's 93 layers
             partial = o
         else:
             partial = partial + o

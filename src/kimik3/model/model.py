@@ -2,7 +2,7 @@
 
 Legend: B batch, T tokens, D hidden, Vocab vocabulary.
 
-    h = embed(ids); blocks = []
+    h = embed(ids); blocks = [] (a stack [M, B, T, D])
     for each layer: h, blocks = layer(h, blocks)
     logits = lm_head( norm( MIX(h, blocks; output_attn_res_*) ) )      untied head, no fp32 upcast
 """
@@ -48,7 +48,7 @@ class K3TextModel(nn.Module):
             raise ValueError("attention_mask (left padding) needs a cache; pack documents with cu_seqlens instead")
         step = cache.advance(input_ids.shape[1], attention_mask) if cache is not None else None
         h_BTD = self.embed_tokens(input_ids)
-        blocks: list[Tensor] = []
+        blocks = h_BTD.new_empty(0, *h_BTD.shape)
         for i, layer in enumerate(self.layers):
             h_BTD, blocks = layer(h_BTD, blocks, cu_seqlens, cache.layers[i] if cache else None, step)
         return self.norm(depth_mix(blocks, h_BTD, self.output_attn_res_norm, self.output_attn_res_proj))

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from torch import Tensor
 
 from kimik3.ops.attnres import reference
 
 
-def attn_res_mix(sources: Sequence[Tensor], partial: Tensor, norm_weight: Tensor, proj_weight: Tensor,
-                 eps: float) -> Tensor:
+def attn_res_mix(blocks: Tensor, partial: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float) -> Tensor:
     """Mix the stored block sums and the current partial sum over depth, per token.
 
     Args:
-        sources: m >= 0 tensors [..., D] (the stored snapshots, oldest first).
+        blocks: [M, ..., D] the M >= 0 stored block sums, oldest first.
         partial: [..., D] the current partial sum (the last source).
         norm_weight: [D] the `*_res_norm.weight`; enters only the score vector.
         proj_weight: [1, D] the `*_res_proj.weight` (a bias-free Linear D -> 1): the pseudo-query.
@@ -23,4 +20,4 @@ def attn_res_mix(sources: Sequence[Tensor], partial: Tensor, norm_weight: Tensor
     Returns:
         [..., D] in `partial.dtype`: softmax-weighted sum of the unnormalized sources, computed in fp32.
     """
-    return reference.attn_res_mix(sources, partial, norm_weight, proj_weight, eps)
+    return reference.attn_res_mix(blocks, partial, norm_weight, proj_weight, eps)

@@ -1,6 +1,7 @@
 """Attention residuals (AttnRes): a per-token softmax mix over depth. Reference, fp32 math.
 
-Legend: S sources (m stored block sums + the current partial sum), N tokens (any leading dims), D hidden.
+Legend: M stored block sums, S = M + 1 sources (the blocks, then the current partial sum), N tokens (any
+leading dims), D hidden.
 
 For sources v_0..v_m (the last is the current partial sum), with one pseudo-query vector
 w = norm.weight * proj.weight[0] (fp32):
@@ -12,15 +13,12 @@ The norm's weight enters only through w; the norm's own forward is never called 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
 
-def attn_res_mix(sources: Sequence[Tensor], partial: Tensor, norm_weight: Tensor, proj_weight: Tensor,
-                 eps: float) -> Tensor:
-    v_SND = torch.stack([*sources, partial]).float()
+def attn_res_mix(blocks: Tensor, partial: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float) -> Tensor:
+    v_SND = torch.cat([blocks, partial[None]]).float()
     w_D = norm_weight.float() * proj_weight.float().reshape(-1)
     k_SND = v_SND * torch.rsqrt(v_SND.pow(2).mean(-1, keepdim=True) + eps)
     pi_SN = (k_SND * w_D).sum(-1).softmax(0)
