@@ -1,0 +1,18 @@
+"""K3 tokenizer, XTML chat encoder and response parser (spec §5).
+
+    tok = Tokenizer.from_file("/ckpt/Kimi-K3")                 # the checkpoint's tiktoken.model
+    ids = encode_chat(tok, [{"role": "user", "content": "Hi"}], thinking_effort="high")
+    ...generate until tok.eos_id (<|end_of_msg|>)...
+    out = parse_response(tok, generated_ids)                   # reasoning_content, content, tool_calls
+
+Streaming: `tok.stream_decoder()` for raw text, `ResponseParser(tok).feed(ids)` for structured deltas.
+"""
+
+from .bpe import NUM_SPECIAL, PATTERN, SPECIAL_OFFSETS, StreamDecoder, Tokenizer, load_ranks
+from .chat import THINKING_EFFORTS, encode_chat, render_chat
+from .parse import Delta, ParsedResponse, ResponseParser, parse_response, parse_text
+
+__all__ = [
+    "NUM_SPECIAL", "PATTERN", "SPECIAL_OFFSETS", "THINKING_EFFORTS", "Delta", "ParsedResponse", "ResponseParser",
+    "StreamDecoder", "Tokenizer", "encode_chat", "load_ranks", "parse_response", "parse_text", "render_chat",
+]

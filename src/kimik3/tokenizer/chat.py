@@ -1,0 +1,337 @@
+"""K3's "XTML" chat format (spec §5): OpenAI-style messages -> prompt token ids.
+
+The prompt is built as a list of segments, each either a special token (structural marker) or ordinary text.
+`encode_chat` maps markers to special ids and encodes every text segment with `allow_special=False`, so nothing
+a user, tool or attribute value contains can become a control token. `render_chat` joins the same segments into
+a readable string (markers shown literally) for debugging.
+
+Segment boundaries follow the released encoder (`encoding_k3.py`, S1 `encoding.py`; Jinja port S3
+`Kimi-K3.jinja`): tag names, ` key`, `="`, each attribute value and `"` are encoded as separate pieces, and each
+text part of a content list separately. BPE never merges across those boundaries, so the ids match the
+released encoder's even where one joined string would tokenize differently.
+
+Layout: [tool-declare system msg] [thinking-effort system msg] messages... [tool-choice msg]
+[response-format msg] [generation prompt]. Every message is `<|open|>message k="v"...<|sep|> body
+<|close|>message<|sep|><|end_of_msg|>`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from .bpe import Tokenizer
+
+__all__ = ["THINKING_EFFORTS", "encode_chat", "render_chat"]
+
+Segment = tuple[str, bool]  # (text, is_special)
+
+OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
+MEDIA_BEGIN, MEDIA_CONTENT = "<|media_begin|>", "<|media_content|>"
+MEDIA_END, MEDIA_PAD = "<|media_end|>", "<|media_pad|>"
+
+# {low, medium, high, max} is what the S1/S3 encoders accept; a vLLM copy of an older encoding_k3.py revision
+# lists {low, high, max} (spec §8 item 11). We follow S1/S3.
+THINKING_EFFORTS = ("low", "medium", "high", "max")
+
+# Fixed bodies of the internal system messages: identical wording in S1 `encoding.py` (Moonshot-copyright copy of
+# `encoding_k3.py`) and S3 `Kimi-K3.jinja`.
+_EFFORT_TEXT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the "
+                "response channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+                "Now the system is invoked with `thinking_effort={effort}`.")
+_TOOLS_TEXT = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{json}\n```"
+_NEW_TOOLS_TEXT = ("## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+                   "You have access to all existing and extended tools.\n"
+                   "Here are the specs for the extended tools.\n\n```json\n{json}\n```")
+_TOOL_CHOICE_TEXT = {
+    "required": "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
+    "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
+}
+_JSON_ONLY = ("The system is invoked with `response_format={kind}`.\nYour response must be raw JSON data without "
+              "markdown code blocks (```json) or any additional formatting.")
+_SCHEMA_TAIL = "\nThe JSON data must match the following schema:\n```json\n{json}\n```"
+
+
+def _text(s: str) -> list[Segment]:
+    return [(s, False)] if s else []  # empty pieces encode to nothing; dropping them keeps renders identical
+
+
+def _escape(value: Any) -> str:
+    return str(value).replace("&", "&amp;").replace('"', "&quot;")
+
+
+def _open(tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> list[Segment]:
+    segs = [(OPEN, True), *_text(tag)]
+    for key, value in attrs:
+        segs += [*_text(f" {key}"), *_text('="'), *_text(_escape(value)), *_text('"')]
+    return segs + [(SEP, True)]
+
+
+def _close(tag: str) -> list[Segment]:
+    return [(CLOSE, True), *_text(tag), (SEP, True)]
+
+
+def _message(attrs: Sequence[tuple[str, Any]], body: list[Segment]) -> list[Segment]:
+    return _open("message", attrs) + body + _close("message") + [(END_OF_MSG, True)]
+
+
+def _system(kind: str, body: str) -> list[Segment]:
+    return _message([("role", "system"), ("type", kind)], _text(body.strip()))
+
+
+def _compact_sorted(value: Any) -> str:
+    # sort_keys sorts every nested object and keeps array order: the released encoder's deep_sort_dict + compact dump
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def _content(content: Any, where: str) -> list[Segment]:
+    """A message's `content`: str, None, or a list of {"type": "text"} / {"type": "image"|"image_url"} parts."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return _text(content)
+    if not isinstance(content, list):
+        raise ValueError(f"chat: {where} must be a str, a list of parts or None, got {type(content).__name__}")
+    segs: list[Segment] = []
+    for j, part in enumerate(content):
+        w = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise ValueError(f"chat: {w} must be a dict part, got {type(part).__name__}")
+        if part.get("type") in ("image", "image_url"):
+            size = (part.get("width"), part.get("height"))
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size):
+                raise ValueError(f"chat: {w} needs positive int 'width' and 'height' (the image's pixel size, "
+                                 f"spec §4.4), got {size}")
+            # one <|media_pad|> per image; the model expands it into the image's feature rows (spec §4.4)
+            segs += [(MEDIA_BEGIN, True), (f"image {size[0]}x{size[1]}", False), (MEDIA_CONTENT, True),
+                     (MEDIA_PAD, True), (MEDIA_END, True)]
+        elif isinstance(part.get("text"), str):
+            segs += _text(part["text"])
+        else:
+            raise ValueError(f"chat: {w} must be an image part or carry a str 'text'")
+    return segs
+
+
+def _arguments(arguments: Any, where: str) -> dict | str:
+    """A call's arguments as a dict, or the raw string when it is not valid JSON (rendered as a json block)."""
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}
+    if isinstance(arguments, dict):
+        return arguments
+    if not isinstance(arguments, str):
+        raise ValueError(f"chat: {where} must be a dict or a JSON object string, got {type(arguments).__name__}")
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    if not isinstance(parsed, dict):
+        raise ValueError(f"chat: {where} must encode a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
+def _xtml_type(value: Any) -> str:
+    if isinstance(value, bool):  # before int: bool is an int subclass
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "object" if isinstance(value, dict) else "array"
+
+
+def _xtml_value(value: Any) -> str:
+    # Non-strings use json.dumps' default separators (", ", ": "), not the compact form: that is what the released
+    # encoder writes here (S1 `_xtml_value`; S3 uses `tojson`, the same dump), unlike the compact tool declaration.
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _function(call: Any, where: str) -> dict:
+    if not isinstance(call, dict):
+        raise ValueError(f"chat: {where} must be a dict, got {type(call).__name__}")
+    fn = call["function"] if isinstance(call.get("function"), dict) else call
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f"chat: {where}.function.name is required")
+    return fn
+
+
+def _assistant(msg: dict, where: str, thinking: bool) -> list[Segment]:
+    segs: list[Segment] = []
+    if thinking:  # the think channel is structural in thinking mode: always present, possibly empty
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        body = _text(str(reasoning)) if reasoning is not None and str(reasoning).strip() else []
+        segs += _open("think") + body + _close("think")
+    segs += _open("response") + _content(msg.get("content"), f"{where}.content") + _close("response")
+    calls = msg.get("tool_calls")
+    if calls:
+        segs += _open("tools")
+        for k, call in enumerate(calls, start=1):
+            w = f"{where}.tool_calls[{k - 1}]"
+            fn = _function(call, w)
+            segs += _open("call", [("tool", fn["name"]), ("index", k)])
+            args = _arguments(fn.get("arguments"), f"{w}.function.arguments")
+            if isinstance(args, str):
+                segs += _open("json", [("type", "object")]) + _text(args) + _close("json")
+            else:
+                for key, value in args.items():
+                    segs += (_open("argument", [("key", key), ("type", _xtml_type(value))])
+                             + _text(_xtml_value(value)) + _close("argument"))
+            segs += _close("call")
+        segs += _close("tools")
+    return segs
+
+
+def _order_tool_results(messages: list[dict]) -> list[tuple[int, dict, str | None]]:
+    """(original position, message, name of the matched call) with each run of tool results in call order.
+
+    A result is matched to the most recent assistant's `tool_calls` by `tool_call_id == id`; the matched call's name
+    is authoritative. A run whose results all carry ids is stably sorted by call position; a run with an id-less
+    result keeps its order (positional matching). An id that matches no call is an error (the released encoder
+    silently keeps the run's order instead; a dangling id is almost always a caller bug).
+    """
+    out: list[tuple[int, dict, str | None]] = []
+    calls: dict[str, tuple[int, str]] = {}
+    i = 0
+    while i < len(messages):
+        msg = messages[i]
+        if msg["role"] != "tool":
+            if msg["role"] == "assistant":
+                calls = {}
+                for k, call in enumerate(msg.get("tool_calls") or []):
+                    fn = _function(call, f"messages[{i}].tool_calls[{k}]")
+                    if call.get("id") is not None:
+                        calls.setdefault(str(call["id"]), (k, fn["name"]))
+            out.append((i, msg, None))
+            i += 1
+            continue
+        run: list[tuple[int, dict, tuple[int, str] | None]] = []
+        while i < len(messages) and messages[i]["role"] == "tool":
+            call_id = messages[i].get("tool_call_id", messages[i].get("id"))
+            match = None
+            if call_id is not None:
+                match = calls.get(str(call_id))
+                if match is None:
+                    raise ValueError(f"chat: messages[{i}].tool_call_id {call_id!r} matches no tool_calls[].id of "
+                                     f"the preceding assistant message (ids: {sorted(calls)})")
+            run.append((i, messages[i], match))
+            i += 1
+        if all(m is not None for _, _, m in run):
+            run.sort(key=lambda r: r[2][0])
+        out += [(j, m, match[1] if match else None) for j, m, match in run]
+    return out
+
+
+def _tool_result(msg: dict, where: str, index: int, matched: str | None, calls: list | None) -> list[Segment]:
+    name = matched or msg.get("tool") or msg.get("name")
+    if name is None and calls and index <= len(calls):  # positional fallback: the index-th call of the assistant
+        name = _function(calls[index - 1], f"tool_calls[{index - 1}]")["name"]
+    if not name:
+        raise ValueError(f"chat: {where} needs a tool name: a tool_call_id matching a call, or 'tool'/'name'")
+    return _message([("role", "tool"), ("tool", name), ("index", index)], _content(msg.get("content"),
+                                                                                    f"{where}.content"))
+
+
+def _response_format(response_format: Any) -> list[Segment]:
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+    if kind in (None, "text"):
+        return []
+    if kind == "json_object":
+        return _system("response-format", _JSON_ONLY.format(kind=kind))
+    if kind != "json_schema":
+        raise ValueError(f"chat: response_format.type must be text, json_object or json_schema, got {kind!r}")
+    wrapper = response_format.get("json_schema") if isinstance(response_format, dict) else None
+    if wrapper is None:
+        raise ValueError("chat: response_format.json_schema is required when type is json_schema")
+    # OpenAI nests the schema as json_schema.schema; the released encoder also accepts json_schema.json_schema
+    # or the bare schema
+    schema = wrapper.get("schema", wrapper.get("json_schema", wrapper)) if isinstance(wrapper, dict) else wrapper
+    return _system("response-format", _JSON_ONLY.format(kind=kind) + _SCHEMA_TAIL.format(json=_compact_sorted(schema)))
+
+
+def build_segments(messages: Sequence[dict], *, tools: list | None = None, thinking: bool = True,
+                   thinking_effort: str | None = "max", tool_choice: Any = None, response_format: Any = None,
+                   add_generation_prompt: bool = True) -> list[Segment]:
+    """The prompt as (text, is_special) segments; see `encode_chat` for the arguments."""
+    if thinking and thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
+        raise ValueError(f"chat: thinking_effort must be one of {THINKING_EFFORTS} or None, got {thinking_effort!r}")
+    if not (tool_choice is None or isinstance(tool_choice, dict) or tool_choice in ("auto", "required", "none")):
+        raise ValueError(f"chat: tool_choice must be auto, required, none, a dict or None, got {tool_choice!r}")
+    messages = list(messages)
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "tool"):
+            role = msg.get("role") if isinstance(msg, dict) else type(msg).__name__
+            raise ValueError(f"chat: messages[{i}].role must be system, user, assistant or tool, got {role!r}")
+
+    segs: list[Segment] = []
+    if tools:
+        segs += _system("tool-declare", _TOOLS_TEXT.format(json=_compact_sorted(tools)))
+    if thinking and thinking_effort is not None:
+        segs += _system("thinking-effort", _EFFORT_TEXT.format(effort=thinking_effort))
+
+    calls: list | None = None
+    tool_index = 0
+    for i, msg, matched in _order_tool_results(messages):
+        role, where = msg["role"], f"messages[{i}]"
+        named = [("role", role)] + ([("name", msg["name"])] if msg.get("name") else [])
+        if role == "system" and msg.get("tools"):  # mid-conversation tools: the "New Tools Available" declaration
+            segs += _system("tool-declare", _NEW_TOOLS_TEXT.format(json=_compact_sorted(msg["tools"])))
+        elif role in ("system", "user"):
+            segs += _message(named, _content(msg.get("content"), f"{where}.content"))
+        elif role == "assistant":
+            calls, tool_index = msg.get("tool_calls"), 0
+            segs += _message(named, _assistant(msg, where, thinking))
+        else:
+            tool_index += 1  # 1-based position among the results rendered since the last assistant turn
+            segs += _tool_result(msg, where, tool_index, matched, calls)
+
+    if isinstance(tool_choice, str) and tool_choice in _TOOL_CHOICE_TEXT:
+        segs += _system("tool-choice", _TOOL_CHOICE_TEXT[tool_choice])
+    segs += _response_format(response_format)
+    if add_generation_prompt:
+        segs += _open("message", [("role", "assistant")]) + _open("think" if thinking else "response")
+    return segs
+
+
+def encode_chat(tokenizer: Tokenizer, messages: Sequence[dict], *, tools: list | None = None, thinking: bool = True,
+                thinking_effort: str | None = "max", tool_choice: Any = None, response_format: Any = None,
+                add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a K3 prompt (no BOS, as the released encoder).
+
+    Args:
+        messages: OpenAI-style dicts. `role` system/user/assistant/tool; `content` str, None or a list of
+            {"type": "text", "text"} / {"type": "image", "width", "height"} parts; optional `name`; assistant
+            `reasoning_content` and `tool_calls` ([{id, type, function: {name, arguments: dict | JSON str}}]);
+            tool results `tool_call_id` (re-sorted into the preceding assistant's call order).
+        tools: OpenAI tool definitions, declared as key-sorted compact JSON.
+        thinking: thinking mode (think channel in assistant turns, prompt opens `think`); off opens `response`.
+        thinking_effort: low/medium/high/max or None (no effort message); only used when thinking.
+        tool_choice: "required"/"none" add an instruction; "auto", None or a specific-function dict add nothing
+            (the released encoder has no wording for a forced function).
+        response_format: None, {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}.
+        add_generation_prompt: end with the opened assistant message and channel.
+
+    Raises:
+        ValueError: naming the offending field (bad role, image part without size, unknown effort, a tool_call_id
+            with no matching call, ...).
+    """
+    segs = build_segments(messages, tools=tools, thinking=thinking, thinking_effort=thinking_effort,
+                          tool_choice=tool_choice, response_format=response_format,
+                          add_generation_prompt=add_generation_prompt)
+    ids: list[int] = []
+    for text, special in segs:
+        if special:
+            ids.append(tokenizer.encode_special(text))
+        else:
+            ids += tokenizer.encode(text)
+    return ids
+
+
+def render_chat(messages: Sequence[dict], **kwargs: Any) -> str:
+    """The prompt `encode_chat` builds, as one string with special tokens written literally (for reading and tests).
+
+    Takes the same keyword arguments as `encode_chat`. Note `tokenizer.encode(render_chat(...), allow_special=True)`
+    may differ from `encode_chat` where BPE would merge across segment boundaries; `encode_chat` is the truth.
+    """
+    return "".join(text for text, _ in build_segments(messages, **kwargs))

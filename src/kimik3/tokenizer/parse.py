@@ -1,0 +1,258 @@
+"""Parse K3 model output (after the generation prompt) into reasoning, content and tool calls.
+
+The model continues the prompt `<|open|>message role="assistant"<|sep|><|open|>think<|sep|>` with
+
+    reasoning <|close|>think<|sep|> <|open|>response<|sep|> content <|close|>response<|sep|>
+    [<|open|>tools<|sep|> (<|open|>call tool="f" index="1"<|sep|>
+        (<|open|>argument key="k" type="number"<|sep|>42<|close|>argument<|sep|>)*
+        | <|open|>json type="object"<|sep|>{...}<|close|>json<|sep|>
+     <|close|>call<|sep|>)* <|close|>tools<|sep|>]
+    <|close|>message<|sep|><|end_of_msg|>
+
+(`start_in="response"` when thinking is off: the prompt opened `response`). Markers are special token ids, so
+text never contains them and parsing works on ids; `feed_text` accepts decoded text with markers written
+literally, for engines that stream strings.
+
+Contract: the parser never raises on model output. Truncated or malformed output yields everything parsed before
+the problem; the raw text of an unfinished structure (half a tag, an unclosed call) and everything after a
+structural error is returned as `remainder`. Reasoning and content only ever grow: a character is emitted once
+its bytes are complete, so parsing any prefix of an output gives a prefix of the full result.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .bpe import StreamDecoder, Tokenizer
+
+__all__ = ["Delta", "ParsedResponse", "ResponseParser", "parse_response", "parse_text"]
+
+_MARKERS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+_MARKER_RE = re.compile("|".join(re.escape(m) for m in _MARKERS))
+_HEADER_RE = re.compile(r'\s*([A-Za-z_][\w-]*)((?:\s+[\w-]+="[^"]*")*)\s*')
+_ATTR_RE = re.compile(r'([\w-]+)="([^"]*)"')
+_JSON_TYPES = ("number", "boolean", "null", "object", "array")
+
+
+@dataclass
+class Delta:
+    """What one `feed` added: reasoning and content text, and tool calls completed in that feed."""
+
+    reasoning_content: str = ""
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class ParsedResponse:
+    """A whole parsed response.
+
+    Attributes:
+        tool_calls: [{"id": "call_{k}", "name": str, "arguments": dict}] for completed calls, k 1-based in order;
+            `arguments` is the raw string when a json block does not parse.
+        remainder: raw text (markers written literally) that could not be parsed: an unfinished structure, or all
+            output from a structural error on, or anything after `<|end_of_msg|>`.
+        complete: the message was closed (`<|close|>message<|sep|><|end_of_msg|>`).
+    """
+
+    reasoning_content: str
+    content: str
+    tool_calls: list[dict]
+    remainder: str
+    complete: bool
+
+
+def _unescape(value: str) -> str:
+    return value.replace("&quot;", '"').replace("&amp;", "&")
+
+
+def _typed(value: str, kind: str) -> Any:
+    if kind in _JSON_TYPES:
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            pass  # keep the model's text: better a string the caller can inspect than a lost argument
+    return value
+
+
+class ResponseParser:
+    """Incremental parser: `feed(ids)` (or `feed_text(text)`) returns a `Delta`; `finish()` the `ParsedResponse`.
+
+    Args:
+        tokenizer: needed by `feed` (ids); `feed_text` works without one.
+        start_in: the channel the generation prompt opened: "think" (thinking on) or "response".
+        id_prefix: tool call ids are f"{id_prefix}{k}" with k the 1-based call position.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None = None, *, start_in: str = "think", id_prefix: str = "call_"):
+        if start_in not in ("think", "response"):
+            raise ValueError(f"parse: start_in must be 'think' or 'response', got {start_in!r}")
+        self._tok = tokenizer
+        self._decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+        self._markers = {tokenizer.encode_special(m): m for m in _MARKERS} if tokenizer is not None else {}
+        self._id_prefix = id_prefix
+        # state: think | response | between | tools | call | argument | json | closed | done | failed
+        self._state = start_in
+        self._seen_response = start_in == "response"
+        self._header: tuple[str, list[str]] | None = None  # (marker, header text pieces) while reading a tag
+        self._pending_raw: list[str] = []  # raw text of the structure being parsed, not yet committed
+        self._failed_raw: list[str] = []  # everything from a structural error (or after the end) on
+        self._held_text = ""  # feed_text only: a possible partial marker at the end of the last chunk
+        self._call: dict | None = None
+        self._arg: tuple[str, str, list[str]] | None = None  # (key, type, value pieces) of the open argument/json
+        self.reasoning_content, self.content = "", ""
+        self.tool_calls: list[dict] = []
+        self.complete = False
+        self._delta = Delta()
+
+    def feed(self, ids: Sequence[int]) -> Delta:
+        """Consume model output token ids; returns what they added."""
+        if self._tok is None:
+            raise ValueError("parse: feed(ids) needs a tokenizer; use feed_text for decoded text")
+        run: list[int] = []
+        for i in ids:
+            if i in self._markers:
+                self._on_text(self._decoder.feed(run) + self._decoder.flush())  # a marker ends any partial char
+                run = []
+                self._on_marker(self._markers[i])
+            else:
+                run.append(i)
+        self._on_text(self._decoder.feed(run))
+        return self._take_delta()
+
+    def feed_text(self, text: str) -> Delta:
+        """Consume decoded output with markers written literally (`<|open|>` ...)."""
+        text, self._held_text = self._held_text + text, ""
+        pos = 0
+        for m in _MARKER_RE.finditer(text):
+            self._on_text(text[pos:m.start()])
+            self._on_marker(m.group())
+            pos = m.end()
+        tail = text[pos:]
+        # hold back a suffix that could be the start of a marker completed by the next chunk
+        keep = max((k for m in _MARKERS for k in range(1, len(m)) if tail.endswith(m[:k])), default=0)
+        self._on_text(tail[:len(tail) - keep])
+        self._held_text = tail[len(tail) - keep:]
+        return self._take_delta()
+
+    def finish(self) -> ParsedResponse:
+        """End of output: the whole parse. Held-back partial characters or markers go to the remainder."""
+        tail = self._held_text + (self._decoder.flush() if self._decoder is not None else "")
+        self._held_text = ""
+        remainder = "".join(self._pending_raw) + "".join(self._failed_raw) + tail
+        return ParsedResponse(self.reasoning_content, self.content, list(self.tool_calls), remainder, self.complete)
+
+    def _take_delta(self) -> Delta:
+        delta, self._delta = self._delta, Delta()
+        return delta
+
+    def _fail(self, raw: str) -> None:
+        self._state = "failed"
+        self._failed_raw += [*self._pending_raw, raw]
+        self._pending_raw, self._header, self._call, self._arg = [], None, None, None
+
+    def _on_text(self, text: str) -> None:
+        if not text:
+            return
+        if self._state in ("failed", "done"):
+            self._failed_raw.append(text)
+        elif self._header is not None:
+            self._header[1].append(text)
+            self._pending_raw.append(text)
+        elif self._state == "think":
+            self.reasoning_content += text
+            self._delta.reasoning_content += text
+        elif self._state == "response":
+            self.content += text
+            self._delta.content += text
+        elif self._state in ("argument", "json"):
+            self._arg[2].append(text)
+            self._pending_raw.append(text)
+        elif text.isspace():  # stray whitespace between tags carries nothing; tolerate it
+            if self._state == "call":
+                self._pending_raw.append(text)
+        else:
+            self._fail(text)
+
+    def _on_marker(self, marker: str) -> None:
+        if self._state in ("failed", "done"):
+            self._failed_raw.append(marker)
+        elif self._header is not None:
+            if marker != "<|sep|>":
+                self._fail(marker)
+                return
+            kind, pieces = self._header
+            self._header = None
+            self._pending_raw.append(marker)
+            m = _HEADER_RE.fullmatch("".join(pieces))
+            if m is None:
+                self._fail("")
+                return
+            attrs = {k: _unescape(v) for k, v in _ATTR_RE.findall(m.group(2))}
+            self._on_tag(kind, m.group(1), attrs)
+        elif marker in ("<|open|>", "<|close|>"):
+            self._header = (marker, [])
+            self._pending_raw.append(marker)
+        elif marker == "<|end_of_msg|>" and self._state == "closed":
+            self._state, self.complete = "done", True
+        else:
+            self._fail(marker)
+
+    def _on_tag(self, kind: str, tag: str, attrs: dict[str, str]) -> None:
+        """A complete `<|open|>tag attrs<|sep|>` (kind "<|open|>") or `<|close|>tag<|sep|>` in the current state."""
+        state, opening = self._state, kind == "<|open|>"
+        if state in ("think", "response") and not opening and tag == state:
+            self._state = "between"
+        elif state == "between" and opening and tag == "response" and not self._seen_response:
+            self._state, self._seen_response = "response", True
+        elif state == "between" and opening and tag == "tools" and not self.tool_calls and self._call is None:
+            self._state = "tools"
+        elif state == "between" and not opening and tag == "message":
+            self._state = "closed"
+        elif state == "tools" and opening and tag == "call" and attrs.get("tool"):
+            self._state, self._call = "call", {"name": attrs["tool"], "arguments": {}}
+            return  # the call stays pending until it closes
+        elif state == "tools" and not opening and tag == "tools":
+            self._state = "between"
+        elif state == "call" and opening and tag == "argument" and "key" in attrs:
+            self._state, self._arg = "argument", (attrs["key"], attrs.get("type", "string"), [])
+            return
+        elif state == "call" and opening and tag == "json" and not self._call["arguments"]:
+            self._state, self._arg = "json", ("", "object", [])
+            return
+        elif state in ("argument", "json") and not opening and tag == state:
+            key, kind_, pieces = self._arg
+            value = _typed("".join(pieces), kind_)
+            if state == "json":  # a block that is not a JSON object stays the raw string
+                self._call["arguments"] = value if isinstance(value, dict) else "".join(pieces)
+            else:
+                self._call["arguments"][key] = value
+            self._state, self._arg = "call", None
+            return
+        elif state == "call" and not opening and tag == "call":
+            call = {"id": f"{self._id_prefix}{len(self.tool_calls) + 1}", **self._call}
+            self.tool_calls.append(call)
+            self._delta.tool_calls.append(call)
+            self._state, self._call = "tools", None
+        else:
+            self._fail("")
+            return
+        self._pending_raw = []
+
+
+def parse_response(tokenizer: Tokenizer, ids: Sequence[int], *, start_in: str = "think") -> ParsedResponse:
+    """Parse complete (or truncated) model output ids; never raises on the output's content."""
+    parser = ResponseParser(tokenizer, start_in=start_in)
+    parser.feed(ids)
+    return parser.finish()
+
+
+def parse_text(text: str, *, start_in: str = "think") -> ParsedResponse:
+    """`parse_response` for decoded text with markers written literally."""
+    parser = ResponseParser(start_in=start_in)
+    parser.feed_text(text)
+    return parser.finish()
