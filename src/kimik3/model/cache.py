@@ -39,11 +39,12 @@ class MLALatents:
 
 @dataclass(frozen=True)
 class CacheStep:
-    """Where the new tokens of one forward go, and what their MLA queries may see."""
+    """Where the new tokens of one forward go, and what their MLA queries may see (device tensors only, so a
+    CUDA graph can capture a decode step whose position changes between replays)."""
 
-    start: int  # cache position of the first new token (same for every row: rows are left-padded)
+    positions: Tensor  # [T] int64 cache positions of the new tokens (the same for every row: left padding)
     valid: Tensor  # [B, T] bool, False for left padding
-    mla_mask: Tensor  # [B, T, start+T] bool: real keys at or before each query (pads see only themselves)
+    mla_mask: Tensor  # [B, T, span] bool: real keys at or before each query (pads see only themselves)
 
 
 class HybridCache:
@@ -68,28 +69,34 @@ class HybridCache:
                 self.layers.append(MLALatents(torch.zeros(B, max_length, width, dtype=dtype, device=device)))
 
     def advance(self, num_new: int, attention_mask: Tensor | None = None) -> CacheStep:
-        """Reserve positions for `num_new` tokens of every row and build their masks."""
+        """Reserve the next `num_new` positions of every row and build their step (eager use)."""
         start, end = self.length, self.length + num_new
         if end > self.max_length:
             raise ValueError(f"the cache holds {self.max_length} tokens per sequence; {start} are used and "
                              f"{num_new} more were given")
-        device = self.valid.device
-        if attention_mask is None:
-            valid = torch.ones(self.batch_size, num_new, dtype=torch.bool, device=device)
-        else:
-            if tuple(attention_mask.shape) != (self.batch_size, num_new):
-                raise ValueError(f"attention_mask must be [batch, new tokens] = [{self.batch_size}, {num_new}], "
-                                 f"got {tuple(attention_mask.shape)}")
-            valid = attention_mask.to(device=device, dtype=torch.bool)
-        self.valid[:, start:end] = valid
-        q_pos = torch.arange(start, end, device=device)
-        causal_TS = torch.arange(end, device=device)[None, :] <= q_pos[:, None]
-        mask_BTS = self.valid[:, None, :end] & causal_TS
-        # a pad query sees only itself: its (ignored) output stays finite instead of a 0/0 softmax
-        own_TS = torch.arange(end, device=device)[None, :] == q_pos[:, None]
-        mask_BTS = mask_BTS | (~valid[:, :, None] & own_TS)
+        if attention_mask is not None and tuple(attention_mask.shape) != (self.batch_size, num_new):
+            raise ValueError(f"attention_mask must be [batch, new tokens] = [{self.batch_size}, {num_new}], "
+                             f"got {tuple(attention_mask.shape)}")
         self.length = end
-        return CacheStep(start, valid, mask_BTS)
+        return self.make_step(torch.arange(start, end, device=self.valid.device), attention_mask, span=end)
+
+    def make_step(self, positions: Tensor, attention_mask: Tensor | None, span: int) -> CacheStep:
+        """The step for new tokens at device `positions` [T], attending over the first `span` cache rows.
+
+        Device operations only (no host reads): a CUDA-graphed decode step calls it inside the capture with
+        a positions buffer it refills before each replay, and span = max_length.
+        """
+        device = self.valid.device
+        T = positions.shape[0]
+        valid_BT = (torch.ones(self.batch_size, T, dtype=torch.bool, device=device) if attention_mask is None
+                    else attention_mask.to(device=device, dtype=torch.bool))
+        self.valid.index_copy_(1, positions, valid_BT)
+        keys_S = torch.arange(span, device=device)
+        causal_TS = keys_S[None, :] <= positions[:, None]
+        mask_BTS = self.valid[:, None, :span] & causal_TS
+        # a pad query sees only itself: its (ignored) output stays finite instead of a 0/0 softmax
+        own_TS = keys_S[None, :] == positions[:, None]
+        return CacheStep(positions, valid_BT, mask_BTS | (~valid_BT[:, :, None] & own_TS))
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, by kind: {"kda_state": ..., "kda_conv": ..., "mla_latent": ...}."""

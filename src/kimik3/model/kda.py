@@ -6,6 +6,7 @@ Legend: B batch, T tokens, D hidden, H heads, K = V head dim, P = H*K projection
     g       = lower_bound * sigmoid( exp(A_log[:H]) * (f_b(f_a x) + dt_bias) )      fp32 log-decay in (-5, 0)
     beta    = sigmoid(b_proj x)                                                     fp32
     o       = delta_rule(l2norm(q), l2norm(k), v, g, beta, scale K^-1/2)            kimik3.ops.kda
+              (g, beta and the norms are applied inside the op: fla fuses them into its kernels on CUDA)
     out     = o_proj( rms(o) * o_norm.weight * sigmoid(g_proj x) )                  norm + gate in fp32
 """
 
@@ -20,16 +21,8 @@ from torch import Tensor, nn
 from kimik3.config import TextConfig
 from kimik3.model.cache import CacheStep, KDAState
 from kimik3.model.norm import GatedRMSNorm
-from kimik3.ops.kda import chunk_kda
+from kimik3.ops.kda import chunk_kda_with_gate, recurrent_kda_with_gate
 from kimik3.ops.varlen import positions
-
-L2_EPS = 1e-6  # inside the sqrt, as fla's l2norm
-
-
-def l2_normalize(x: Tensor) -> Tensor:
-    """x / sqrt(sum(x^2) + 1e-6) over the last dim, in fp32."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
 
 
 class ShortConvolution(nn.Module):
@@ -77,12 +70,6 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(c.head_dim, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(P, D, bias=False, dtype=dtype)
 
-    def decay(self, g_raw_BTHK: Tensor) -> Tensor:
-        """The lower-bounded log-decay: lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias)), fp32."""
-        H, K = self.num_heads, self.head_dim
-        a_H11 = self.A_log[:H].float().exp().view(H, 1)
-        return self.lower_bound * torch.sigmoid(a_H11 * (g_raw_BTHK.float() + self.dt_bias.float().view(H, K)))
-
     def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, cache: KDAState | None = None,
                 step: CacheStep | None = None) -> Tensor:
         """x [B, T, D] -> [B, T, D]. With `cache` (and its `step`), continue from and update the cached state."""
@@ -103,15 +90,17 @@ class KimiDeltaAttention(nn.Module):
         q_BTHK = conv(self.q_conv1d, self.q_proj, cache.conv_q if cache else None)
         k_BTHK = conv(self.k_conv1d, self.k_proj, cache.conv_k if cache else None)
         v_BTHK = conv(self.v_conv1d, self.v_proj, cache.conv_v if cache else None)
-        g_BTHK = self.decay(self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K))
-        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
-        if valid_BT1 is not None:  # a pad token neither decays nor writes the state
-            g_BTHK = torch.where(valid_BT1[..., None], g_BTHK, 0)
-            beta_BTH = torch.where(valid_BT1, beta_BTH, 0)
-        o_BTHK, state = chunk_kda(l2_normalize(q_BTHK), l2_normalize(k_BTHK), v_BTHK, g_BTHK, beta_BTH,
-                                  scale=K**-0.5, cu_seqlens=cu_seqlens,
-                                  initial_state=cache.recurrent if cache else None,
-                                  output_final_state=cache is not None)
+        g_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K)  # raw: activated inside the op
+        beta_BTH = self.b_proj(x_BTD).float()  # logits
+        if valid_BT1 is not None:  # a pad token neither decays (sigmoid(-inf) = 0) nor writes (beta = 0)
+            g_BTHK = torch.where(valid_BT1[..., None], g_BTHK, float("-inf"))
+            beta_BTH = torch.where(valid_BT1, beta_BTH, float("-inf"))
+        # one new token against a cache is decode: the recurrent kernel; anything longer is chunked
+        delta_rule = recurrent_kda_with_gate if cache is not None and T == 1 else chunk_kda_with_gate
+        o_BTHK, state = delta_rule(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, self.A_log, self.dt_bias,
+                                   lower_bound=self.lower_bound, scale=K**-0.5, cu_seqlens=cu_seqlens,
+                                   initial_state=cache.recurrent if cache else None,
+                                   output_final_state=cache is not None)
         if cache is not None:
             cache.recurrent.copy_(state)
         o_BTHK = self.o_norm(o_BTHK, self.g_proj(x_BTD).view(B, T, H, K))

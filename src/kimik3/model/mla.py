@@ -47,9 +47,9 @@ class MultiHeadLatentAttention(nn.Module):
         c_BTC, k_r_BTR = self.kv_a_proj_with_mqa(x_BTD).split([c.kv_lora_rank, R], dim=-1)
         c_BTC = self.kv_a_layernorm(c_BTC)
         if cache is not None:
-            end = step.start + T
-            cache.latent[:, step.start:end] = torch.cat([c_BTC, k_r_BTR], dim=-1)
-            o_BTHV = mla_latent_attention(q_BTHK, cache.latent[:, :end], self.kv_b_proj.weight, qk_nope_head_dim=N,
+            cache.latent.index_copy_(1, step.positions, torch.cat([c_BTC, k_r_BTR], dim=-1))
+            span = step.mla_mask.shape[-1]
+            o_BTHV = mla_latent_attention(q_BTHK, cache.latent[:, :span], self.kv_b_proj.weight, qk_nope_head_dim=N,
                                           scale=c.softmax_scale, mask=step.mla_mask)
         else:
             k_n_BTHN, v_BTHV = self.kv_b_proj(c_BTC).view(B, T, H, N + V).split([N, V], dim=-1)

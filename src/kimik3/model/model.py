@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.config import K3Config, TextConfig
-from kimik3.model.cache import HybridCache
+from kimik3.model.cache import CacheStep, HybridCache
 from kimik3.model.decoder import DecoderLayer, depth_mix
 from kimik3.model.init import init_weights
 from kimik3.model.norm import RMSNorm
@@ -39,14 +39,15 @@ class K3TextModel(nn.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
-                attention_mask: Tensor | None = None) -> Tensor:
+                attention_mask: Tensor | None = None, step: CacheStep | None = None) -> Tensor:
         """input_ids [B, T] -> final hidden state [B, T, D] (see K3ForCausalLM.forward)."""
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens packs documents for cache-less forwards; with a cache, left-pad the "
                              "batch and pass attention_mask")
         if attention_mask is not None and cache is None:
             raise ValueError("attention_mask (left padding) needs a cache; pack documents with cu_seqlens instead")
-        step = cache.advance(input_ids.shape[1], attention_mask) if cache is not None else None
+        if cache is not None and step is None:
+            step = cache.advance(input_ids.shape[1], attention_mask)
         h_BTD = self.embed_tokens(input_ids)
         blocks = h_BTD.new_empty(0, *h_BTD.shape)
         for i, layer in enumerate(self.layers):
@@ -71,7 +72,7 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
     def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
-                attention_mask: Tensor | None = None) -> Tensor:
+                attention_mask: Tensor | None = None, step: CacheStep | None = None) -> Tensor:
         """input_ids [B, T] int64 -> logits [B, T, Vocab] in the compute dtype.
 
         Args:
@@ -79,10 +80,11 @@ class K3ForCausalLM(nn.Module):
             cache: from `new_cache`; the new tokens run against it and are appended to it (prefill, chunked
                 prefill, or decode of one or more tokens per sequence).
             attention_mask: [B, T] 1 for real tokens, 0 for left padding (ragged batches; needs a cache).
+            step: a prebuilt `cache.make_step(...)` (CUDA-graphed decode); by default `cache.advance(T, mask)`.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        return self.lm_head(self.model(input_ids, cu_seqlens, cache, attention_mask))
+        return self.lm_head(self.model(input_ids, cu_seqlens, cache, attention_mask, step))
 
     def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_length` tokens, on the model's device."""
@@ -104,8 +106,8 @@ class K3ForConditionalGeneration(nn.Module):
         self.language_model = K3ForCausalLM(cfg.text, dtype)
 
     def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
-                attention_mask: Tensor | None = None) -> Tensor:
-        return self.language_model(input_ids, cu_seqlens, cache, attention_mask)
+                attention_mask: Tensor | None = None, step: CacheStep | None = None) -> Tensor:
+        return self.language_model(input_ids, cu_seqlens, cache, attention_mask, step)
 
     def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
         return self.language_model.new_cache(batch_size, max_length)

@@ -1,18 +1,20 @@
 """Kimi Delta Attention (KDA): gated delta-rule linear attention with a per-channel decay.
 
-Layers call ``chunk_kda`` for prefill and training and ``recurrent_kda`` for decode. Both take the same
-arguments and return the same thing; today both run the pure PyTorch reference in ``.reference``
-(CPU-friendly, fp32 math, differentiable). A fused GPU backend will be dispatched from inside these
-functions later without changing their contract.
+``chunk_kda`` / ``recurrent_kda`` are the delta rule on activated inputs (normalized q/k, log-decay,
+beta), pure PyTorch (fp32 math, differentiable). The K3 layer calls ``chunk_kda_with_gate`` (prefill,
+training) and ``recurrent_kda_with_gate`` (decode), which take the pre-activation inputs and run fla-core's
+kernels with K3's flags on CUDA, the reference elsewhere.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from . import reference
+from kimik3.ops.backend import use_fast
 
-__all__ = ["chunk_kda", "recurrent_kda"]
+from . import fla, reference
+
+__all__ = ["chunk_kda", "chunk_kda_with_gate", "recurrent_kda", "recurrent_kda_with_gate"]
 
 
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
@@ -99,5 +101,43 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, s
         cu_seqlens with B != 1 or boundaries that are not non-decreasing from 0 to T; initial_state
         not [N, H, K, V].
     """
+    return reference.recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_kda_with_gate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+                        *, lower_bound: float, scale: float | None = None, initial_state: Tensor | None = None,
+                        output_final_state: bool = False, cu_seqlens: Tensor | None = None
+                        ) -> tuple[Tensor, Tensor | None]:
+    """K3's KDA for prefill and training: `chunk_kda` with the activations applied inside.
+
+    Shapes as `chunk_kda`, but the inputs are pre-activation:
+        q, k:  [B, T, H, K]  raw (after the short conv); L2-normalized inside (eps 1e-6 in the sqrt).
+        g:     [B, T, H, K]  raw decay input (f_b_proj output); the log-decay is
+               lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias)).
+        beta:  [B, T, H]     logits; sigmoid inside.
+        A_log: [>= H] fp32 (the first H used); dt_bias: [H*K] fp32.
+    On CUDA this is fla-core's `chunk_kda` with K3's flags (gate, norm and sigmoid in the kernel, safe gate);
+    elsewhere, or under `use_backend("torch")`, the reference. Returns (o [B, T, H, V] in v.dtype, state | None).
+    """
+    if use_fast(v):
+        return fla.chunk_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
+                                       initial_state=initial_state, output_final_state=output_final_state,
+                                       cu_seqlens=cu_seqlens)
+    q, k, g, beta = reference.gate_inputs(q, k, g, beta, A_log, dt_bias, lower_bound)
+    return reference.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def recurrent_kda_with_gate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor,
+                            dt_bias: Tensor, *, lower_bound: float, scale: float | None = None,
+                            initial_state: Tensor | None = None, output_final_state: bool = False,
+                            cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """`chunk_kda_with_gate` one token at a time, for decode (fla's `fused_recurrent_kda` on CUDA)."""
+    if use_fast(v):
+        return fla.recurrent_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
+                                           initial_state=initial_state, output_final_state=output_final_state,
+                                           cu_seqlens=cu_seqlens)
+    q, k, g, beta = reference.gate_inputs(q, k, g, beta, A_log, dt_bias, lower_bound)
     return reference.recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)

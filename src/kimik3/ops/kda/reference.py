@@ -146,3 +146,21 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
               cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Chunked KDA (CHUNK_SIZE tokens per step, WY/UT transform). See kimik3.ops.kda.chunk_kda."""
     return _run(_chunk_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def gate_inputs(q: Tensor, k: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+                lower_bound: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """K3's activations before the delta rule, in fp32 (spec 2.4 steps 4-6).
+
+    q, k -> x / sqrt(sum(x^2) + 1e-6) over K;  g -> lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias));
+    beta -> sigmoid(beta). `A_log` may be stored longer than H (the released [128]); the first H are used.
+    """
+    H, K = q.shape[2], q.shape[3]
+
+    def l2(x: Tensor) -> Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+    a_H1 = A_log[:H].float().exp().view(H, 1)
+    g = lower_bound * torch.sigmoid(a_H1 * (g.float() + dt_bias.float().view(H, K)))
+    return l2(q), l2(k), g, torch.sigmoid(beta.float())

@@ -1,10 +1,11 @@
-"""MLA attention: one public function; SDPA / latent-decode fast paths are dispatched here."""
+"""MLA attention: expanded (prefill, training) and absorbed latent (decode); SDPA / bf16 fast paths on CUDA."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from kimik3.ops.mla import reference
+from kimik3.ops.backend import use_fast
+from kimik3.ops.mla import fast, reference
 
 
 def mla_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: Tensor | None = None) -> Tensor:
@@ -18,7 +19,8 @@ def mla_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: 
     Returns:
         [B, T, H, V] in `q.dtype`.
     """
-    return reference.mla_attention(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
+    impl = fast.mla_attention if use_fast(q) else reference.mla_attention
+    return impl(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
 
 
 def mla_latent_attention(q: Tensor, latent: Tensor, kv_b_weight: Tensor, *, qk_nope_head_dim: int,
@@ -36,5 +38,5 @@ def mla_latent_attention(q: Tensor, latent: Tensor, kv_b_weight: Tensor, *, qk_n
     Returns:
         [B, T, H, V] in `q.dtype`; equal to expanded attention with K = [W_kb c ; k_r], V = W_vb c.
     """
-    return reference.mla_latent_attention(q, latent, kv_b_weight, qk_nope_head_dim=qk_nope_head_dim, scale=scale,
-                                          mask=mask)
+    impl = fast.mla_latent_attention if use_fast(q) else reference.mla_latent_attention
+    return impl(q, latent, kv_b_weight, qk_nope_head_dim=qk_nope_head_dim, scale=scale, mask=mask)
