@@ -115,3 +115,18 @@ def test_cache_shapes_and_errors(model, tiny_config):
         model(torch.zeros(2, 4, dtype=torch.long), cache=model.new_cache(2, 8), attention_mask=torch.ones(2, 5))
     with pytest.raises(ValueError, match="cu_seqlens"):
         model(torch.zeros(1, 4, dtype=torch.long), cache=model.new_cache(1, 8), cu_seqlens=torch.tensor([0, 4]))
+
+
+@torch.no_grad()
+def test_static_decode_step_equals_eager(model):
+    """The CUDA-graph form of a decode step (span = max_length, positions as a device tensor) == eager."""
+    ids = torch.randint(0, model.config.vocab_size, (2, 20))
+    eager = model.new_cache(2, 32)
+    static = model.new_cache(2, 32)
+    model(ids[:, :12], cache=eager), model(ids[:, :12], cache=static)
+    for t in range(12, 20):
+        a = model(ids[:, t:t + 1], cache=eager)
+        step = static.make_step(torch.tensor([static.length]), None, span=static.max_length)
+        static.length += 1
+        b = model(ids[:, t:t + 1], cache=static, step=step)
+        assert rel_err(b, a) < 1e-6

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from kimik3.inference.cuda_graph import GraphedDecoder
 from kimik3.inference.sampling import Sampler, SamplingParams
 
 
@@ -90,10 +91,13 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[li
     return out
 
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
 @torch.no_grad()
 def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
            *, tokenizer: Detokenizer | None = None, eos_token_ids: Sequence[int] = (),
-           max_context: int | None = None) -> Iterator[list[TokenEvent]]:
+           max_context: int | None = None, cuda_graph: bool = False) -> Iterator[list[TokenEvent]]:
     """Generate for a batch of token-id prompts, yielding each step's new tokens as they come.
 
     Args:
@@ -104,6 +108,8 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
         eos_token_ids: ids that end every sequence (e.g. `<|end_of_msg|>`), besides each request's own.
         max_context: the most tokens (prompt + generated) a sequence may hold; a longer prompt is an error
             and generation stops ("length") when a sequence reaches it.
+        cuda_graph: decode under a CUDA graph (model on a GPU); the batch is padded up to a bucket size
+            (BATCH_BUCKETS) with dummy rows whose outputs are dropped.
 
     Yields:
         per step, one TokenEvent per still-running sequence.
@@ -119,7 +125,12 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
             raise ValueError(f"a prompt of {longest} tokens leaves no room in the allowed context of {max_context}")
         params = [SamplingParams(**{**p.__dict__, "max_new_tokens": min(p.max_new_tokens, max_context - len(q))})
                   for p, q in zip(params, prompts)]
-    B, device = len(prompts), next(model.parameters()).device
+    device = next(model.parameters()).device
+    real = len(prompts)
+    if cuda_graph:  # pad the batch to a bucket with one-token dummy prompts (their rows are never reported)
+        bucket = next((b for b in BATCH_BUCKETS if b >= real), real)
+        prompts, params = prompts + [[0]] * (bucket - real), params + [params[0]] * (bucket - real)
+    B = len(prompts)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     ids = torch.full((B, longest), pad, dtype=torch.long)
     mask = torch.zeros(B, longest, dtype=torch.bool)
@@ -134,30 +145,31 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     sampler.observe(ids, mask)
     rows = [_Row(p, eos_token_ids, tokenizer) for p in params]
     logits = model(ids, cache=cache, attention_mask=mask)[:, -1]
+    decode = GraphedDecoder(model, cache) if cuda_graph else (lambda t: model(t[:, None], cache=cache)[:, -1])
     for _ in range(steps):
         tokens = sampler.sample(logits)
         events = []
-        for i, token in enumerate(tokens.tolist()):
+        for i, token in enumerate(tokens.tolist()[:real]):
             row = rows[i]
             if row.finish is None:
                 text = row.add(token)
                 events.append(TokenEvent(i, token, text, row.finish))
         if events:
             yield events
-        if all(r.finish for r in rows):
+        if all(r.finish for r in rows[:real]) or cache.length == cache.max_length:
             return
         sampler.observe(tokens[:, None])
-        logits = model(tokens[:, None], cache=cache)[:, -1]
+        logits = decode(tokens)
 
 
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
              params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
              tokenizer: Detokenizer | None = None, eos_token_ids: Sequence[int] = (),
-             max_context: int | None = None) -> list[Completion]:
+             max_context: int | None = None, cuda_graph: bool = False) -> list[Completion]:
     """`stream` run to the end: one Completion (ids, text, finish reason) per prompt."""
     out = [Completion(prompt_tokens=len(p)) for p in prompts]
     for events in stream(model, prompts, params, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
-                         max_context=max_context):
+                         max_context=max_context, cuda_graph=cuda_graph):
         for e in events:
             c = out[e.index]
             c.token_ids.append(e.token_id)

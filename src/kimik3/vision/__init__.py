@@ -1,0 +1,12 @@
+"""Image preprocessing for the vision tower: `process_images(images) -> VisionInputs` (spec 4.1)."""
+
+from kimik3.vision.processor import (
+    ProcessorConfig,
+    ResizePlan,
+    VisionInputs,
+    load_image,
+    process_images,
+    resize_plan,
+)
+
+__all__ = ["ProcessorConfig", "ResizePlan", "VisionInputs", "load_image", "process_images", "resize_plan"]
