@@ -16,7 +16,7 @@ from tests.conftest import REPO
 INVENTORY = REPO / "tests" / "data" / "k3_tensors.json"
 
 
-def released_inventory(prefix: str = "language_model.") -> dict[str, tuple[tuple[int, ...], str]]:
+def released_inventory(prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
     """The released tensors.json templates expanded to one entry per tensor."""
     out = {}
     for row in json.loads(INVENTORY.read_text())["tensors"]:
@@ -38,7 +38,9 @@ def released_meta(k3_config):
 def test_released_totals(released_meta):
     r = count_parameters(released_meta)
     by = {c.name: c for c in r.components}
-    assert r.total == 2_779_484_478_208
+    assert r.total == 2_779_931_837_184  # the released total, vision included
+    assert r.total - by["vision tower"].total - by["mm projector"].total == 2_779_484_478_208  # text model
+    assert by["vision tower"].total == 401_214_464 and by["mm projector"].total == 46_144_512
     assert by["routed experts"].total == 2_722_740_830_208 and by["routed experts"].per_instance == 33_030_144
     assert by["routed experts"].instances == 92 * 896
     assert by["KDA"].instances == 69 and by["MLA"].instances == 24
@@ -55,10 +57,10 @@ def test_released_totals(released_meta):
     assert r.active_without_head == 103_015_209_728
 
 
-def test_text_inventory_matches_release(released_meta):
+def test_inventory_matches_release(released_meta):
     ours = {s.name: (s.shape, str(s.dtype).removeprefix("torch.")) for s in checkpoint_specs(released_meta)}
-    released = released_inventory()
-    assert len(released) == 497_220 - 3 - 2 - 6 * 27 - 1
+    released = released_inventory(prefix="")
+    assert len(released) == len(ours) == 497_220
     missing, unexpected = sorted(released.keys() - ours.keys()), sorted(ours.keys() - released.keys())
     assert not missing and not unexpected, (missing[:5], unexpected[:5])
     wrong = [(n, ours[n], released[n]) for n in released if ours[n] != released[n]]
@@ -91,7 +93,7 @@ def test_meta_build_is_fast_and_small():
 def test_params_cli_json(capsys):
     assert main(["params", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["total"] == 2_779_484_478_208 and out["active"] == 104_189_614_848
+    assert out["total"] == 2_779_931_837_184 and out["active"] == 104_189_614_848
     assert main(["params", "tiny"]) == 0
     assert "routed experts" in capsys.readouterr().out
 

@@ -16,7 +16,8 @@ def test_released_cache_sizes_match_spec_shapes(k3_config):
     experts = 92 * 896 * (2 * 3072 * (1792 + 112) + 3584 * (1536 + 96))
     fp32 = 11_122_432  # spec 6 census: A_log, dt_bias, conv weights, o_norm, correction biases
     bf16 = 2_779_484_478_208 - 2_722_740_830_208 - fp32
-    assert r.weights == experts + 2 * bf16 + 4 * fp32
+    vision = 401_214_464 + 46_144_512  # tower + projector, bf16
+    assert r.weights == experts + 2 * bf16 + 4 * fp32 + 2 * vision
 
 
 def test_memory_cli(capsys):

@@ -108,10 +108,15 @@ def format_report(report: ParamReport, title: str = "parameters"):
     for col, just in (("component", "left"), ("instances", "right"), ("per instance", "right"),
                       ("total", "right"), ("active / token", "right")):
         table.add_column(col, justify=just, no_wrap=True)
+    vision = 0
     for c in report.components:
         per = f"{c.per_instance:,}" if c.per_instance is not None else "varies"
-        table.add_row(c.name, f"{c.instances:,}", per, f"{c.total:,}", f"{c.active:,}")
+        is_vision = c.name in ("vision tower", "mm projector")  # runs per image, not per text token
+        vision += c.total if is_vision else 0
+        table.add_row(c.name, f"{c.instances:,}", per, f"{c.total:,}", "" if is_vision else f"{c.active:,}")
     table.add_section()
+    if vision:
+        table.add_row("text model", "", "", f"{report.total - vision:,}", "")
     table.add_row("total", "", "", f"{report.total:,}", "")
     table.add_row("active (card: no embedding)", "", "", "", f"{report.active:,}")
     table.add_row("active with embedding", "", "", "", f"{report.active_with_embedding:,}")

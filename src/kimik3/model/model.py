@@ -17,6 +17,7 @@ from kimik3.model.cache import CacheStep, HybridCache
 from kimik3.model.decoder import DecoderLayer, depth_mix
 from kimik3.model.init import init_weights
 from kimik3.model.norm import RMSNorm
+from kimik3.model.vision import MMProjector, VisionTower, encode_images, tokens_per_image
 
 
 def _dtype(cfg: TextConfig, dtype: torch.dtype | None) -> torch.dtype:
@@ -39,7 +40,8 @@ class K3TextModel(nn.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
-                attention_mask: Tensor | None = None, step: CacheStep | None = None) -> Tensor:
+                attention_mask: Tensor | None = None, step: CacheStep | None = None,
+                inputs_embeds: Tensor | None = None) -> Tensor:
         """input_ids [B, T] -> final hidden state [B, T, D] (see K3ForCausalLM.forward)."""
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens packs documents for cache-less forwards; with a cache, left-pad the "
@@ -48,7 +50,7 @@ class K3TextModel(nn.Module):
             raise ValueError("attention_mask (left padding) needs a cache; pack documents with cu_seqlens instead")
         if cache is not None and step is None:
             step = cache.advance(input_ids.shape[1], attention_mask)
-        h_BTD = self.embed_tokens(input_ids)
+        h_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         blocks = h_BTD.new_empty(0, *h_BTD.shape)
         for i, layer in enumerate(self.layers):
             h_BTD, blocks = layer(h_BTD, blocks, cu_seqlens, cache.layers[i] if cache else None, step)
@@ -72,7 +74,8 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
     def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
-                attention_mask: Tensor | None = None, step: CacheStep | None = None) -> Tensor:
+                attention_mask: Tensor | None = None, step: CacheStep | None = None,
+                inputs_embeds: Tensor | None = None) -> Tensor:
         """input_ids [B, T] int64 -> logits [B, T, Vocab] in the compute dtype.
 
         Args:
@@ -81,10 +84,11 @@ class K3ForCausalLM(nn.Module):
                 prefill, or decode of one or more tokens per sequence).
             attention_mask: [B, T] 1 for real tokens, 0 for left padding (ragged batches; needs a cache).
             step: a prebuilt `cache.make_step(...)` (CUDA-graphed decode); by default `cache.advance(T, mask)`.
+            inputs_embeds: [B, T, D] used instead of embedding input_ids (images spliced in by the wrapper).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        return self.lm_head(self.model(input_ids, cu_seqlens, cache, attention_mask, step))
+        return self.lm_head(self.model(input_ids, cu_seqlens, cache, attention_mask, step, inputs_embeds))
 
     def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_length` tokens, on the model's device."""
@@ -98,16 +102,50 @@ class K3ForCausalLM(nn.Module):
 
 
 class K3ForConditionalGeneration(nn.Module):
-    """The released top-level module: `language_model.*` (+ `vision_tower.*`, `mm_projector.*` with vision)."""
+    """The released top-level module: `language_model.*`, and with vision `vision_tower.*` and `mm_projector.*`.
 
-    def __init__(self, cfg: K3Config, dtype: torch.dtype | None = None):
+    Images enter through the prompt: every `<|media_pad|>` position (media_placeholder_token_id) takes one
+    projected image token, in order (a prompt carries one pad per image token: `kimik3.vision.expand_media_pads`).
+
+    Args:
+        cfg: the whole config.
+        dtype: as K3ForCausalLM (the vision tower and projector follow it).
+        text_only: build no vision tower even when the config has one.
+    """
+
+    def __init__(self, cfg: K3Config, dtype: torch.dtype | None = None, *, text_only: bool = False):
         super().__init__()
         self.config = cfg
         self.language_model = K3ForCausalLM(cfg.text, dtype)
+        if cfg.vision is not None and not text_only:
+            vdtype = _dtype(cfg.text, dtype)
+            self.vision_tower = VisionTower(cfg.vision, vdtype)
+            self.mm_projector = MMProjector(cfg.vision, vdtype)
+
+    @property
+    def has_vision(self) -> bool:
+        return hasattr(self, "vision_tower")
+
+    def embed(self, input_ids: Tensor, pixel_values: Tensor, grid_thws: Tensor) -> Tensor:
+        """[B, T, D] token embeddings with the images' projected tokens written over the media pads."""
+        if not self.has_vision:
+            raise ValueError("images were given but this model has no vision tower (text-only config or load)")
+        h_BTD = self.language_model.model.embed_tokens(input_ids)
+        feats_ND = torch.cat(encode_images(self.vision_tower, self.mm_projector, pixel_values, grid_thws))
+        slots_BT = input_ids == self.config.media_placeholder_token_id
+        found = int(slots_BT.sum())
+        if found != feats_ND.shape[0]:
+            raise ValueError(f"the prompt has {found} <|media_pad|> positions but the images give "
+                             f"{feats_ND.shape[0]} tokens (per image: {tokens_per_image(grid_thws)})")
+        return h_BTD.masked_scatter(slots_BT[..., None], feats_ND.to(h_BTD.dtype))
 
     def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
-                attention_mask: Tensor | None = None, step: CacheStep | None = None) -> Tensor:
-        return self.language_model(input_ids, cu_seqlens, cache, attention_mask, step)
+                attention_mask: Tensor | None = None, step: CacheStep | None = None,
+                pixel_values: Tensor | None = None, grid_thws: Tensor | None = None) -> Tensor:
+        """As K3ForCausalLM.forward; `pixel_values` [Npatch, 3, 14, 14] and `grid_thws` [Nimg, 3] (from
+        `kimik3.vision.process_images`) splice images into the media-pad positions."""
+        embeds = self.embed(input_ids, pixel_values, grid_thws) if pixel_values is not None else None
+        return self.language_model(input_ids, cu_seqlens, cache, attention_mask, step, embeds)
 
     def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
         return self.language_model.new_cache(batch_size, max_length)
