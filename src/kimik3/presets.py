@@ -24,3 +24,6 @@ def resolve_config(name_or_path: str | Path) -> Path:
 
 def load_config(name_or_path: str | Path) -> K3Config:
     return K3Config.from_file(resolve_config(name_or_path))
+
+# the small K3 trained by our own trainer and shipped in the repository (see its MODEL_CARD.md)
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "k3-shakespeare"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from kimik3.inference.cuda_graph import GraphedDecoder
 from kimik3.inference.sampling import Sampler, SamplingParams
@@ -97,7 +97,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 @torch.no_grad()
 def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
            *, tokenizer: Detokenizer | None = None, eos_token_ids: Sequence[int] = (),
-           max_context: int | None = None, cuda_graph: bool = False) -> Iterator[list[TokenEvent]]:
+           max_context: int | None = None, cuda_graph: bool = False, pixel_values: Tensor | None = None,
+           grid_thws: Tensor | None = None) -> Iterator[list[TokenEvent]]:
     """Generate for a batch of token-id prompts, yielding each step's new tokens as they come.
 
     Args:
@@ -110,6 +111,8 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
             and generation stops ("length") when a sequence reaches it.
         cuda_graph: decode under a CUDA graph (model on a GPU); the batch is padded up to a bucket size
             (BATCH_BUCKETS) with dummy rows whose outputs are dropped.
+        pixel_values, grid_thws: the prompts' images (`kimik3.vision.process_images`), in prompt order; each
+            prompt carries one <|media_pad|> per image token (`kimik3.vision.expand_media_pads`).
 
     Yields:
         per step, one TokenEvent per still-running sequence.
@@ -144,7 +147,8 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     sampler = Sampler(params, cfg.vocab_size, device)
     sampler.observe(ids, mask)
     rows = [_Row(p, eos_token_ids, tokenizer) for p in params]
-    logits = model(ids, cache=cache, attention_mask=mask)[:, -1]
+    images = {} if pixel_values is None else {"pixel_values": pixel_values.to(device), "grid_thws": grid_thws}
+    logits = model(ids, cache=cache, attention_mask=mask, **images)[:, -1]
     decode = GraphedDecoder(model, cache) if cuda_graph else (lambda t: model(t[:, None], cache=cache)[:, -1])
     for _ in range(steps):
         tokens = sampler.sample(logits)
@@ -165,11 +169,13 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
              params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
              tokenizer: Detokenizer | None = None, eos_token_ids: Sequence[int] = (),
-             max_context: int | None = None, cuda_graph: bool = False) -> list[Completion]:
+             max_context: int | None = None, cuda_graph: bool = False, pixel_values: Tensor | None = None,
+             grid_thws: Tensor | None = None) -> list[Completion]:
     """`stream` run to the end: one Completion (ids, text, finish reason) per prompt."""
     out = [Completion(prompt_tokens=len(p)) for p in prompts]
     for events in stream(model, prompts, params, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
-                         max_context=max_context, cuda_graph=cuda_graph):
+                         max_context=max_context, cuda_graph=cuda_graph, pixel_values=pixel_values,
+                         grid_thws=grid_thws):
         for e in events:
             c = out[e.index]
             c.token_ids.append(e.token_id)

@@ -1,0 +1,50 @@
+"""KDA: our entry point (`chunk_kda_with_gate` / `recurrent_kda_with_gate`) vs a bare fla call, K3 shapes.
+
+The overhead target: within 5% of calling fla directly with the same flags.
+"""
+
+from __future__ import annotations
+
+import torch
+from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+from bench.common import environment, median_ms, table, write_json
+from kimik3.ops.kda import chunk_kda_with_gate, recurrent_kda_with_gate
+
+H, K = 96, 128
+
+
+def inputs(B, T):
+    r = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
+    return (r(B, T, H, K).bfloat16(), r(B, T, H, K).bfloat16(), r(B, T, H, K).bfloat16(), r(B, T, H, K).bfloat16(),
+            r(B, T, H).float(), torch.rand(128, device="cuda"), r(H * K), r(B, H, K, K))
+
+
+def main():
+    rows, results = [], {}
+    flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 lower_bound=-5.0)
+    for mode, B, T in (("prefill", 1, 4096), ("prefill", 1, 16384), ("decode", 1, 1), ("decode", 32, 1),
+                       ("decode", 256, 1)):
+        q, k, v, g, beta, A_log, dt, h0 = inputs(B, T)
+        if mode == "prefill":
+            ours = lambda: chunk_kda_with_gate(q, k, v, g, beta, A_log, dt, lower_bound=-5.0, initial_state=h0,  # noqa
+                                               output_final_state=True)
+            bare = lambda: chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, safe_gate=True,  # noqa
+                                     A_log=A_log[:H], dt_bias=dt, **flags)
+        else:
+            ours = lambda: recurrent_kda_with_gate(q, k, v, g, beta, A_log, dt, lower_bound=-5.0,  # noqa
+                                                   initial_state=h0, output_final_state=True)
+            bare = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,  # noqa
+                                               A_log=A_log[:H], dt_bias=dt, **flags)
+        assert torch.equal(ours()[0], bare()[0])
+        t_ours, t_bare = median_ms(ours), median_ms(bare)
+        key = f"{mode} B={B} T={T}"
+        results[key] = {"ours_ms": t_ours, "fla_ms": t_bare, "overhead": t_ours / t_bare - 1}
+        rows.append([key, f"{t_ours:.3f}", f"{t_bare:.3f}", f"{100 * (t_ours / t_bare - 1):+.1f}%"])
+    table("KDA entry point vs bare fla (median ms)", ["case", "ours", "fla", "overhead"], rows)
+    write_json("bench_kda", {"env": environment(), "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Real-dims K3 modules with random weights on the GPU, built on the meta device then materialized.
+
+Routed experts are MXFP4-packed with random codes and scale bytes near 2^-7 (valid MXFP4 data: the
+kernels' speed does not depend on the values, and no bf16 copy of 896 experts is ever made).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kimik3.model.moe import MXFP4Experts, pack_experts
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, seed: int = 0) -> nn.Module:
+    """meta -> cuda with random values: matrices N(0, 0.02), norms 1, KDA islands in their usual ranges."""
+    pack_experts(module)
+    module.to_empty(device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.dtype == torch.uint8:
+            lo, hi = (0, 256) if name.endswith("_packed") else (118, 122)
+            t.copy_(torch.randint(lo, hi, t.shape, generator=g, device="cuda", dtype=torch.int32))
+        elif name.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif name.endswith("A_log"):
+            t.uniform_(0.0, 2.7, generator=g)
+        elif name.endswith("e_score_correction_bias"):
+            t.zero_()
+        elif name.endswith("conv1d.weight"):
+            t.normal_(0.0, 0.5, generator=g)
+        else:
+            t.normal_(0.0, 0.02, generator=g)
+    return module
+
+
+def expert_bytes(module: nn.Module) -> int:
+    """Bytes of one routed expert (packed codes + scales of w1, w3, w2)."""
+    ex = next(m for m in module.modules() if isinstance(m, MXFP4Experts))
+    return sum(t[0].nbytes for t in ex.buffers())
+
+
+def dense_bytes(module: nn.Module) -> int:
+    """Bytes of every weight except the routed experts."""
+    experts = {id(t) for m in module.modules() if isinstance(m, MXFP4Experts) for t in m.buffers()}
+    return sum(t.nbytes for t in list(module.parameters()) + list(module.buffers()) if id(t) not in experts)
+
+
+def linear_flops(module: nn.Module, tokens: int, top_k: int) -> int:
+    """Matmul FLOPs of one forward over `tokens` tokens: every Linear + the active routed experts."""
+    flops = sum(2 * tokens * m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+    for m in module.modules():
+        if isinstance(m, MXFP4Experts):
+            E, F, L2 = m.w1_packed.shape
+            flops += 2 * tokens * top_k * 3 * F * (2 * L2)
+    return flops

@@ -1,0 +1,141 @@
+"""`kimik3 chat --model PATH [--image FILE]`: an interactive chat REPL in K3's chat format.
+
+Commands: /reset (forget the conversation), /think on|off, /image FILE (attach to your next message), /quit.
+Ctrl-C stops the answer being written (the conversation keeps what was said); Ctrl-D or /quit leaves.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kimik3.cli.common import add_model_args, add_sampling_args, load_model_and_tokenizer, sampling_params
+
+DIM, RESET = "\033[2m", "\033[0m"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("chat", help="interactive chat with a checkpoint")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--image", action="append", default=[], help="image for the first message (repeatable)")
+    p.add_argument("--no-think", action="store_true", help="start with thinking off")
+    p.add_argument("--system", default=None, help="a system message")
+    p.set_defaults(run=run)
+
+
+def user_turn(model, tok, history: list[dict], text: str, image_paths: list[str], *, thinking: bool):
+    """Token ids of the conversation plus a new user message (images first), and the images' tensors."""
+    from kimik3.tokenizer import encode_chat
+    from kimik3.vision import expand_media_pads, process_images
+
+    paths = [p for m in history for p in m.get("_images", [])] + list(image_paths)
+    vis = process_images(paths) if paths else None
+    sizes = iter(vis.sizes if vis else [])
+    messages = []
+    for m in [*history, {"role": "user", "content": text, "_images": list(image_paths)}]:
+        parts = [{"type": "image", "width": w, "height": h} for w, h in (next(sizes) for _ in m.get("_images", []))]
+        content = parts + [{"type": "text", "text": m["content"]}] if parts else m["content"]
+        messages.append({**{k: v for k, v in m.items() if k != "_images"}, "content": content})
+    ids = encode_chat(tok, messages, thinking=thinking)
+    if vis is None:
+        return ids, {}
+    ids = expand_media_pads(ids, vis.num_tokens, model.config.media_placeholder_token_id)
+    return ids, {"pixel_values": vis.pixel_values, "grid_thws": vis.grid_thws}
+
+
+class ChatPrinter:
+    """Parses streamed ids into reasoning (printed dim) and the answer."""
+
+    def __init__(self, tok, *, thinking: bool):
+        from kimik3.tokenizer import ResponseParser
+
+        self.parser = ResponseParser(tok, start_in="think" if thinking else "response")
+
+    def feed(self, token_id: int, *, show: bool = True) -> None:
+        delta = self.parser.feed([token_id])
+        if show:
+            if delta.reasoning_content:
+                sys.stdout.write(DIM + delta.reasoning_content + RESET)
+            if delta.content:
+                sys.stdout.write(delta.content)
+            sys.stdout.flush()
+
+    def finish(self, *, show: bool = False):
+        parsed = self.parser.finish()
+        if show:
+            if parsed.reasoning_content:
+                print(DIM + parsed.reasoning_content + RESET)
+            print(parsed.content)
+        else:
+            print()
+        return parsed
+
+
+def run(args) -> int:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    from kimik3.inference import stream
+
+    model, tok, path = load_model_and_tokenizer(args, vision=True)
+    params = sampling_params(args)
+    thinking, history = not args.no_think, []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    pending_images = list(args.image)
+    print(f"kimik3 chat with {path} -- /reset, /think on|off, /image FILE, /quit; Ctrl-C stops an answer")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            if cmd in ("/quit", "/exit"):
+                return 0
+            if cmd == "/reset":
+                history = history[:1] if args.system else []
+                pending_images = []
+                print("(conversation cleared)")
+            elif cmd == "/think" and arg in ("on", "off"):
+                thinking = arg == "on"
+                print(f"(thinking {arg})")
+            elif cmd == "/image" and arg:
+                from kimik3.vision import load_image
+
+                try:
+                    load_image(arg.strip())
+                    pending_images.append(arg.strip())
+                    print(f"(image {arg.strip()} attached to your next message)")
+                except (ValueError, FileNotFoundError) as e:
+                    print(f"error: {e}")
+            else:
+                print("commands: /reset, /think on|off, /image FILE, /quit")
+            continue
+        try:
+            ids, images = user_turn(model, tok, history, line, pending_images, thinking=thinking)
+        except ValueError as e:
+            print(f"error: {e}")
+            continue
+        printer = ChatPrinter(tok, thinking=thinking)
+        try:
+            for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=[tok.eos_id],
+                                 max_context=args.max_context, **images):
+                printer.feed(events[0].token_id)
+        except KeyboardInterrupt:
+            print(" (stopped)", end="")
+        except ValueError as e:
+            print(f"error: {e}")
+            continue
+        parsed = printer.finish()
+        history.append({"role": "user", "content": line, "_images": pending_images})
+        history.append({"role": "assistant", "content": parsed.content,
+                        "reasoning_content": parsed.reasoning_content})
+        pending_images = []

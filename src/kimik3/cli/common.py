@@ -1,0 +1,59 @@
+"""Arguments and set-up shared by `kimik3 generate` and `kimik3 chat`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint folder (config.json, shards, tiktoken.model)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--max-context", type=int, default=None, help="most tokens (prompt + answer) a sequence may hold")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args):
+    from kimik3.inference import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+
+
+def model_path(args) -> Path:
+    from kimik3.presets import DEMO_MODEL
+
+    path = Path(args.model) if args.model else DEMO_MODEL
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model at {path}: expected a checkpoint folder with config.json")
+    return path
+
+
+def load_model_and_tokenizer(args, *, vision: bool = False):
+    """(model in eval mode, tokenizer, path); vision=False loads text only."""
+    import torch
+
+    import kimik3
+    from kimik3.tokenizer import Tokenizer
+
+    path = model_path(args)
+    sampling_params(args)  # bad sampling values fail before the (long) load
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    tokenizer = Tokenizer.from_file(path)
+    model = kimik3.load(path, dtype=dtype, device=device, text_only=not vision).eval()
+    return model, tokenizer, path

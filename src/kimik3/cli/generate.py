@@ -1,0 +1,50 @@
+"""`kimik3 generate --model PATH --prompt TEXT [--chat] [--image FILE] [sampling flags] [--stream]`."""
+
+from __future__ import annotations
+
+import sys
+
+from kimik3.cli.common import add_model_args, add_sampling_args, load_model_and_tokenizer, sampling_params
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="continue a prompt (raw text, or one chat turn with --chat / --image)")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message in K3's chat format")
+    p.add_argument("--no-think", action="store_true", help="chat with thinking off")
+    p.add_argument("--image", action="append", default=[], help="image file for the prompt (repeatable; implies --chat)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from kimik3.cli.chat import ChatPrinter, user_turn
+    from kimik3.inference import stream
+
+    model, tok, _ = load_model_and_tokenizer(args, vision=bool(args.image))
+    params = sampling_params(args)
+    chat = args.chat or bool(args.image)
+    if chat:
+        ids, images = user_turn(model, tok, [], args.prompt, args.image, thinking=not args.no_think)
+        printer = ChatPrinter(tok, thinking=not args.no_think)
+    else:
+        ids, images, printer = tok.encode(args.prompt), {}, None
+    out = []
+    for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=[tok.eos_id],
+                         max_context=args.max_context, **images):
+        event = events[0]
+        if printer is not None:
+            printer.feed(event.token_id, show=args.stream)
+        elif args.stream:
+            print(event.text, end="", flush=True)
+        out.append(event.text)
+    if printer is not None:
+        printer.finish(show=not args.stream)
+    elif not args.stream:
+        print(args.prompt + "".join(out))
+    else:
+        print()
+    sys.stdout.flush()
+    return 0

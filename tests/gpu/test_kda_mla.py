@@ -1,0 +1,102 @@
+"""Fast KDA (fla) and MLA (SDPA, bf16 latent decode) vs their references, on the device."""
+
+import pytest
+import torch
+
+from kimik3.ops.backend import use_backend
+from kimik3.ops.kda import chunk_kda_with_gate, recurrent_kda_with_gate
+from kimik3.ops.mla import mla_attention, mla_latent_attention
+from tests.conftest import rel_err
+
+DEV = "cuda"
+
+
+def kda_inputs(B, T, H, K, dtype, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=g)  # noqa: E731
+    return dict(q=r(B, T, H, K).to(dtype), k=r(B, T, H, K).to(dtype), v=r(B, T, H, K).to(dtype),
+                g=r(B, T, H, K).to(dtype), beta=r(B, T, H).float(), A_log=(torch.rand(128, device=DEV) * 2 - 1),
+                dt_bias=0.5 * r(H * K))
+
+
+def run_both(fn, args, **kw):
+    fast = fn(**args, lower_bound=-5.0, **kw)
+    with use_backend("torch"):
+        ref = fn(**args, lower_bound=-5.0, **kw)
+    return fast, ref
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 2e-3)])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
+def test_chunk_kda_fwd_state(dtype, tol, T):
+    x = kda_inputs(2, T, 4, 128, dtype)
+    h0 = torch.randn(2, 4, 128, 128, device=DEV)
+    (o, s), (o_ref, s_ref) = run_both(chunk_kda_with_gate, x, initial_state=h0, output_final_state=True)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    print(f"chunk T={T} {dtype}: o {rel_err(o, o_ref):.2e} state {rel_err(s, s_ref):.2e}")
+    assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol
+
+
+def test_chunk_kda_varlen():
+    x = kda_inputs(1, 300, 4, 128, torch.bfloat16)
+    cu = torch.tensor([0, 37, 38, 200, 300], device=DEV)
+    h0 = torch.randn(4, 4, 128, 128, device=DEV)
+    (o, s), (o_ref, s_ref) = run_both(chunk_kda_with_gate, x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert rel_err(o, o_ref) < 2e-2 and rel_err(s, s_ref) < 2e-2
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 2e-3)])
+def test_recurrent_kda_decode_with_state(dtype, tol):
+    x = kda_inputs(8, 1, 4, 128, dtype)
+    h0 = torch.randn(8, 4, 128, 128, device=DEV)
+    (o, s), (o_ref, s_ref) = run_both(recurrent_kda_with_gate, x, initial_state=h0, output_final_state=True)
+    print(f"decode {dtype}: o {rel_err(o, o_ref):.2e} state {rel_err(s, s_ref):.2e}")
+    assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol
+
+
+def test_chunk_kda_gradients():
+    x = kda_inputs(1, 130, 2, 128, torch.bfloat16)
+    h0 = torch.randn(1, 2, 128, 128, device=DEV)
+    grads = []
+    for backend in ("auto", "torch"):
+        leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point() and k not in ("A_log",))
+                  for k, v in x.items()}
+        h = h0.clone().requires_grad_()
+        with use_backend(backend):
+            o, s = chunk_kda_with_gate(**leaves, lower_bound=-5.0, initial_state=h, output_final_state=True)
+        torch.manual_seed(0)
+        (o.float() * torch.randn_like(o.float())).sum().add((s * torch.randn_like(s)).sum()).backward()
+        grads.append({k: v.grad for k, v in {**leaves, "h0": h}.items() if v.grad is not None})
+    for name in grads[1]:
+        print(f"grad {name}: {rel_err(grads[0][name], grads[1][name]):.2e}")
+        assert rel_err(grads[0][name], grads[1][name]) < 3e-2, name
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_mla_sdpa_prefill(dtype, tol):
+    q, k = (torch.randn(2, 77, 16, 192, device=DEV, dtype=dtype) for _ in range(2))
+    v = torch.randn(2, 77, 16, 128, device=DEV, dtype=dtype)
+    out = mla_attention(q, k, v, scale=192**-0.5)
+    with use_backend("torch"):
+        ref = mla_attention(q, k, v, scale=192**-0.5)
+    print(f"mla sdpa {dtype}: {rel_err(out, ref):.2e}")
+    assert rel_err(out, ref) < tol
+    cu = torch.tensor([0, 30, 77], device=DEV)
+    out = mla_attention(q[:1], k[:1], v[:1], scale=192**-0.5, cu_seqlens=cu)
+    with use_backend("torch"):
+        ref = mla_attention(q[:1], k[:1], v[:1], scale=192**-0.5, cu_seqlens=cu)
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_mla_latent_decode(dtype, tol):
+    q = torch.randn(4, 1, 16, 192, device=DEV, dtype=dtype)
+    latent = torch.randn(4, 333, 576, device=DEV, dtype=dtype)
+    w = torch.randn(16 * 256, 512, device=DEV, dtype=dtype) / 512**0.5
+    mask = torch.rand(4, 1, 333, device=DEV) > 0.2
+    mask[..., 0] = True
+    out = mla_latent_attention(q, latent, w, qk_nope_head_dim=128, scale=192**-0.5, mask=mask)
+    with use_backend("torch"):
+        ref = mla_latent_attention(q, latent, w, qk_nope_head_dim=128, scale=192**-0.5, mask=mask)
+    print(f"mla latent {dtype}: {rel_err(out, ref):.2e}")
+    assert rel_err(out, ref) < tol
