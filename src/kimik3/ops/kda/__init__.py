@@ -63,43 +63,11 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
 def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
                   initial_state: Tensor | None = None, output_final_state: bool = False,
                   cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """KDA one token at a time: the defining recurrence.
+    """KDA one token at a time: the defining recurrence. Same arguments, math and returns as ``chunk_kda``.
 
     Use for decode: T == 1 (or a few tokens) with the cached state as initial_state and
-    output_final_state=True to get the next cache. Equal to ``chunk_kda`` on the same arguments up to
-    rounding; cost is linear in T with a Python step per token, so prefer ``chunk_kda`` for long inputs.
-
-    Shapes (B batch, T tokens, H heads, K key dim, V value dim, N sequences):
-        q, k:  [B, T, H, K]  queries and keys, ALREADY L2-normalized over K by the caller (not done here).
-        v:     [B, T, H, V]  values.
-        g:     [B, T, H, K]  per-channel LOG decay, <= 0 (fp32, typically in (-5, 0)).
-        beta:  [B, T, H]     delta-rule write strength in (0, 1).
-
-    Args:
-        scale: multiplier applied to q; defaults to K ** -0.5.
-        initial_state: [N, H, K, V], any float dtype (used in fp32); zeros when None.
-        output_final_state: when True also return the state after the last token.
-        cu_seqlens: optional 1-D int64 tensor [N + 1] of cumulative boundaries (first 0, last T) for
-            sequences packed along T. Requires B == 1. Each sequence starts from its own row of
-            initial_state and no token sees another sequence. Without it, N == B.
-
-    Per (sequence, head) the state S is K x V, and for each token t:
-        S   <- diag(exp(g_t)) S                (row d of S scaled by exp(g_t[d]))
-        u_t  = beta_t * (v_t - S^T k_t)
-        S   <- S + k_t u_t^T
-        o_t  = S^T (scale * q_t)                (the state already includes token t)
-
-    Returns:
-        (o, final_state): o is [B, T, H, V] in v.dtype; final_state is [N, H, K, V] in fp32 (fp64 when
-        an input is fp64) if output_final_state, else None.
-
-    All arithmetic is fp32 (inputs are upcast; fp64 inputs stay fp64). Differentiable with respect to
-    q, k, v, g, beta and initial_state.
-
-    Raises:
-        ValueError naming the argument on malformed input: shape mismatch between q, k, v, g, beta;
-        cu_seqlens with B != 1 or boundaries that are not non-decreasing from 0 to T; initial_state
-        not [N, H, K, V].
+    output_final_state=True to get the next cache. Cost is linear in T with a Python step per token,
+    so prefer ``chunk_kda`` for long inputs.
     """
     return reference.recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
