@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 TEXT_PREFIX = "language_model."
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 EXPERT_FORMATS = ("mxfp4", "bf16")
 MXFP4_GROUP = 32
 
@@ -49,6 +50,11 @@ def parse_expert_key(name: str) -> ExpertKey | None:
         return None
     suffix = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}[m["part"]]
     return ExpertKey(f"{m['head']}.{m['w']}{suffix}", int(m["e"]), m["part"])
+
+
+def is_vision_key(name: str) -> bool:
+    """True for the vision tower's and the projector's checkpoint tensors."""
+    return name.startswith(VISION_PREFIXES)
 
 
 def checkpoint_prefix(model: nn.Module) -> str:

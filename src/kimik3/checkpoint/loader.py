@@ -1,0 +1,188 @@
+"""Streaming load of a checkpoint folder in the released layout into a `K3ForConditionalGeneration`.
+
+    1. locate config.json + index + shards; read every shard header (no tensor data)
+    2. check the header set against the config: missing / unexpected / wrong shape or dtype -> one error
+    3. build on the meta device (MXFP4 experts: `pack_experts`), `to_empty(device)`: the final size, once
+    4. per shard (one open at a time), per tensor in file order: read, cast to the destination's dtype,
+       copy into place (a per-expert tensor into its slice of the stacked experts)
+
+Peak memory is the model plus about one tensor: shards are read with pread (`backend="pread"`), so no
+mapped file pages pile up in the process while a 16 GB shard is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from kimik3.checkpoint.folder import Folder, gc_paused, locate, missing_shards_error, scan
+from kimik3.checkpoint.inventory import (compare, expected_specs, mismatch_error, parse_dtype, stored_dtype,
+                                       without_vision)
+from kimik3.checkpoint.keys import is_vision_key, parse_expert_key
+from kimik3.checkpoint.progress import progress_bar, wanted
+from kimik3.checkpoint.safetensors_header import TensorEntry
+from kimik3.config import K3Config
+from kimik3.model import K3ForConditionalGeneration
+from kimik3.model.moe import pack_experts
+from kimik3.ops.mxfp4 import decode, encode
+
+EXPERT_MODES = ("dequantize", "mxfp4")
+
+
+def vision_by_default(cfg: K3Config) -> bool:
+    """What `text_only=None` means: a config with a vision part loads its tower and projector too."""
+    return cfg.vision is not None
+
+
+def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+         text_only: bool | None = None, experts: str = "dequantize", quiet: bool = False
+         ) -> K3ForConditionalGeneration:
+    """Load a checkpoint folder (config.json, model.safetensors.index.json + shards, or model.safetensors).
+
+    Args:
+        path: the checkpoint folder.
+        dtype: parameter and compute dtype; None = the config's (bfloat16). The fp32 islands (KDA A_log,
+            dt_bias, conv weights, o_norm; router correction bias) stay fp32: each tensor is cast to the
+            dtype of the parameter or buffer it lands in.
+        device: "cpu" or "cuda" (the model is allocated there once and filled tensor by tensor).
+        text_only: None = load the vision tower when the config has one; True skips the vision tower and
+            projector tensors without reading them; False loads them too (the config must have a vision part).
+        experts: "dequantize" expands MXFP4 routed experts exactly to `dtype`; "mxfp4" keeps them packed
+            (`MXFP4Experts`: the checkpoint bytes are copied, never decoded). Dense (`.weight`) experts load
+            into either; into "mxfp4" they are encoded, which is lossy unless they came from MXFP4.
+        quiet: no progress bar (it is shown only when stderr is a terminal anyway).
+
+    Returns:
+        the model; `model(input_ids [B, T])` -> logits [B, T, vocab].
+
+    Raises:
+        FileNotFoundError: missing folder, config.json, index, or a shard the index names.
+        ValueError: bad arguments; corrupt or truncated shards; not a safetensors file; tensors missing,
+            unexpected, or of the wrong shape/dtype for config.json. Nothing is allocated before the checks.
+    """
+    if experts not in EXPERT_MODES:
+        raise ValueError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
+    dtype = parse_dtype(dtype)
+    device = _parse_device(device)
+    if text_only not in (None, True, False):
+        raise ValueError(f"text_only must be None, True or False, got {text_only!r}")
+
+    folder = locate(path)
+    try:
+        cfg = K3Config.from_file(folder.config)
+    except ValueError as e:  # name the file unless the config reader already did
+        raise ValueError(str(e) if str(folder.config) in str(e) else f"{folder.config}: {e}") from None
+    dtype = dtype or stored_dtype(cfg)  # also rejects a config whose dtype is not a float type
+    with_vision = vision_by_default(cfg) if text_only is None else not text_only
+    if with_vision and cfg.vision is None:
+        raise ValueError(f"{folder.config}: text_only=False, but the config has no vision_config")
+    model = _meta_model(cfg if with_vision else without_vision(cfg), dtype, experts, with_vision)
+    with gc_paused():
+        entries = _checked_entries(folder, cfg, with_vision)
+    model.to_empty(device=device)
+    _fill(model, folder.path, entries, device, quiet)
+    return model
+
+
+def _meta_model(cfg: K3Config, dtype: torch.dtype, experts: str, with_vision: bool
+                ) -> K3ForConditionalGeneration:
+    with torch.device("meta"):
+        model = K3ForConditionalGeneration(cfg, dtype)
+        if experts == "mxfp4":
+            pack_experts(model)
+    state = model.state_dict(keep_vars=True)
+    unfillable = [n for n, _ in model.named_buffers() if n not in state]
+    assert not unfillable, (f"non-persistent buffers {unfillable[:3]} are not in the checkpoint and to_empty "
+                            "leaves them uninitialized: give the loader a way to rebuild them")
+    return model
+
+
+def _parse_device(device: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or a torch.device), got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available")
+    return device
+
+
+def _checked_entries(folder: Folder, cfg: K3Config, with_vision: bool) -> list[TensorEntry]:
+    """The header entries to read, after every check that needs no tensor data; raises on any problem."""
+    result = scan(folder)
+    if result.missing_shards:
+        raise missing_shards_error(result)
+    if result.problems:
+        raise ValueError(f"{folder.path}: broken checkpoint:\n  " + "\n  ".join(result.problems[:5]))
+    found = {n: e for n, e in result.tensors.items() if with_vision or not is_vision_key(n)}
+    mismatch = compare(expected_specs(cfg, vision=with_vision), found)
+    if mismatch:
+        raise mismatch_error(str(folder.path), mismatch, cfg)
+    truncated = [e for e in found.values() if e.end > result.headers[e.file].file_size]
+    if truncated:
+        shown = "\n".join(f"  {e.name} in {e.file}: needs bytes up to {e.end:,}, the file has "
+                          f"{result.headers[e.file].file_size:,}" for e in truncated[:3])
+        raise ValueError(f"{folder.path}: {len(truncated)} tensors lie past the end of their shard "
+                         f"(truncated download?):\n{shown}")
+    return list(found.values())
+
+
+@torch.no_grad()
+def _fill(model: K3ForConditionalGeneration, root: Path, entries: list[TensorEntry], device: torch.device,
+          quiet: bool) -> None:
+    """Read every entry (file by file, in file order) into the model's state-dict tensors."""
+    state = model.state_dict()
+    written = 0
+    # MXFP4 halves waiting for their partner: a writer keeps an expert's packed and scale tensors adjacent,
+    # so at most a pair split across two shards waits here
+    pending: dict[tuple[str, int], dict[str, Tensor]] = {}
+    by_file: dict[str, list[TensorEntry]] = {}
+    for e in sorted(entries, key=lambda e: (e.file, e.begin)):
+        by_file.setdefault(e.file, []).append(e)
+    total = sum(e.nbytes for e in entries)
+    with progress_bar("loading", total, len(entries), wanted(quiet)) as advance:
+        for file, file_entries in by_file.items():
+            try:
+                with safe_open(root / file, framework="pt", backend="pread") as f:
+                    for e in file_entries:
+                        written += _place(state, e.name, f.get_tensor(e.name).to(device), pending)
+                        advance(e.nbytes)
+            except SafetensorError as err:
+                raise ValueError(f"{root / file}: safetensors could not read it ({err})") from None
+    # every element of every tensor was written, so nothing is left as to_empty's garbage
+    assert not pending and written == sum(t.numel() for t in state.values()), (len(pending), written)
+
+
+def _place(state: dict[str, Tensor], name: str, t: Tensor, pending: dict[tuple[str, int], dict[str, Tensor]]
+           ) -> int:
+    """Copy checkpoint tensor `name` into its destination; returns the number of elements written."""
+    key = parse_expert_key(name)
+    if key is None:
+        dst = state[name]
+    elif key.part == "weight":  # a dense expert: straight in, or encoded into packed buffers
+        base = key.stacked
+        if base in state:
+            dst = state[base][key.expert]
+        else:
+            packed, scale = encode(t)
+            state[base + "_packed"][key.expert].copy_(packed)
+            state[base + "_scale"][key.expert].copy_(scale)
+            return packed.numel() + scale.numel()
+    elif key.stacked in state:  # MXFP4 kept packed: the bytes as they are
+        dst = state[key.stacked][key.expert]
+    else:  # MXFP4 to dequantize: needs both halves of this expert's weight
+        base = key.stacked.removesuffix("_packed").removesuffix("_scale")
+        halves = pending.setdefault((base, key.expert), {})
+        halves[key.part] = t
+        if len(halves) < 2:
+            return 0
+        del pending[(base, key.expert)]
+        dst = state[base][key.expert]
+        t = decode(halves["weight_packed"], halves["weight_scale"], dst.dtype)
+    dst.copy_(t)  # casts to the destination's dtype (fp32 islands stay fp32)
+    return dst.numel()
