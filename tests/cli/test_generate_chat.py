@@ -1,0 +1,99 @@
+"""`kimik3 generate` and `kimik3 chat` end to end on a tiny checkpoint written by kimik3.save."""
+
+import base64
+import builtins
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+import kimik3
+from kimik3.cli import main
+from kimik3.config import K3Config
+from kimik3.model import K3ForConditionalGeneration
+from kimik3.model.moe import pack_experts
+from tests.conftest import CONFIGS, randomize
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The tiny config with a 512-token vocabulary: 256 byte ranks + K3's 256 specials."""
+    d = json.loads((CONFIGS / "tiny.json").read_text())
+    specials = {"bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511, "media_placeholder_token_id": 277}
+    d.update(specials)
+    d["text_config"].update(vocab_size=512, bos_token_id=256, eos_token_id=258, pad_token_id=511)
+    cfg = K3Config.from_hf(d)
+    model = pack_experts(randomize(K3ForConditionalGeneration(cfg, torch.float32), seed=3))
+    path = kimik3.save(model, tmp_path_factory.mktemp("ck") / "tiny", experts="mxfp4")
+    (path / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    return path
+
+
+def run(args, capsys):
+    rc = main(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_generate_raw_greedy_is_deterministic(ckpt, capsys):
+    args = ["generate", "--model", str(ckpt), "--prompt", "ROMEO:", "--max-new-tokens", "6", "--temperature", "0"]
+    rc, out1, err = run(args, capsys)
+    assert rc == 0, err
+    assert out1.startswith("ROMEO:")
+    assert run(args, capsys)[1] == out1
+    rc, streamed, _ = run(args + ["--stream"], capsys)
+    assert rc == 0 and streamed.strip() == out1.strip().removeprefix("ROMEO:")
+
+
+def test_generate_chat_and_image(ckpt, capsys, tmp_path):
+    rc, out, err = run(["generate", "--model", str(ckpt), "--prompt", "hi", "--chat", "--max-new-tokens", "4",
+                        "--seed", "1"], capsys)
+    assert rc == 0, err
+    img = tmp_path / "a.png"
+    Image.new("RGBA", (45, 30), (10, 200, 30, 128)).save(img)
+    rc, out, err = run(["generate", "--model", str(ckpt), "--prompt", "what is it?", "--image", str(img),
+                        "--max-new-tokens", "3", "--temperature", "0", "--stream"], capsys)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--max-context", "3"], "allowed context of 3"),
+    (["--image", "missing.png"], "missing.png"),
+])
+def test_generate_bad_input(ckpt, capsys, extra, message):
+    rc, out, err = run(["generate", "--model", str(ckpt), "--prompt", "a longer prompt", *extra], capsys)
+    assert rc == 2 and message in err
+
+
+def test_generate_no_model(capsys, tmp_path):
+    rc, _, err = run(["generate", "--model", str(tmp_path / "none"), "--prompt", "x"], capsys)
+    assert rc == 2 and "no model at" in err
+
+
+def test_chat_repl(ckpt, capsys, monkeypatch, tmp_path):
+    img = tmp_path / "b.jpg"
+    Image.new("RGB", (33, 70), (120, 30, 200)).save(img)
+    lines = iter(["hello", "/think off", "/image " + str(img), "what colour?", "/image nope.png", "/reset",
+                  "again", "/bogus", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    rc, out, err = run(["chat", "--model", str(ckpt), "--max-new-tokens", "3", "--temperature", "0"], capsys)
+    assert rc == 0, err
+    assert "(thinking off)" in out and "attached" in out and "error:" in out and "(conversation cleared)" in out
+    assert "commands:" in out
+
+
+def test_chat_ctrl_c_stops_the_answer_not_the_program(ckpt, capsys, monkeypatch):
+    import kimik3.inference as inference
+
+    def interrupted(*a, **k):
+        yield [inference.TokenEvent(0, 65, "A")]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inference, "stream", interrupted)
+    lines = iter(["hello", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    rc, out, _ = run(["chat", "--model", str(ckpt), "--max-new-tokens", "3"], capsys)
+    assert rc == 0 and "(stopped)" in out
