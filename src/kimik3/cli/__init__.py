@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kimik3.cli import chat, convert, generate, inspect, memory, params
+from kimik3.cli import chat, convert, generate, inspect, memory, params, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in readable, exact, fast PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (params, memory, inspect, convert, generate, chat):
+    for module in (params, memory, inspect, convert, generate, chat, train):
         module.add_parser(sub)
     return parser
 

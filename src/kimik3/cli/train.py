@@ -1,0 +1,53 @@
+"""`kimik3 train CONFIG.toml`: train or resume a run; `kimik3 train --prepare OUT --tokenizer TOK FILES...`.
+
+Data parallel: `torchrun --nproc_per_node N -m kimik3 train CONFIG.toml` (FSDP2; gloo on CPU, NCCL on CUDA).
+Ctrl-C or SIGTERM saves after the current step and exits with status 130; running the same command again
+resumes from the newest checkpoint in out_dir.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train from a TOML run config (README 'Training'), or --prepare token shards")
+    p.add_argument("inputs", nargs="*", help="the run's TOML file; with --prepare: the text files to tokenize")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key with a TOML value, e.g. --set train.steps=50 (repeatable)")
+    p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                   help="save and stop after this step, keeping the schedule of train.steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--prepare", metavar="OUT_DIR", help="tokenize the input text files into a uint32 shard folder")
+    p.add_argument("--tokenizer", help="with --prepare: a tiktoken.model file or a checkpoint folder holding one")
+    p.add_argument("--shard-tokens", type=int, default=1 << 28, help="with --prepare: tokens per .bin file")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    if args.prepare:
+        return _prepare(args)
+    if len(args.inputs) != 1:
+        raise ValueError("give exactly one run config: kimik3 train CONFIG.toml")
+    from kimik3.distributed import shutdown
+    from kimik3.train import Trainer, load_train_config
+
+    cfg = load_train_config(args.inputs[0], args.set)
+    trainer = Trainer(cfg, progress=not args.no_progress)
+    try:
+        status = trainer.run(stop_at=args.stop_at)
+    finally:
+        shutdown()
+    if trainer.env.is_main:
+        print(f"kimik3 train: {status} at step {trainer.step}/{cfg.train.steps}; checkpoints in {trainer.root}")
+    return 130 if status == "interrupted" else 0
+
+
+def _prepare(args) -> int:
+    from kimik3.train.data import prepare_shards
+
+    if not args.inputs or not args.tokenizer:
+        raise ValueError("--prepare needs --tokenizer and at least one text file")
+    out = prepare_shards(args.inputs, args.tokenizer, args.prepare, args.shard_tokens)
+    print(f"kimik3 train --prepare: wrote {out}", file=sys.stderr)
+    return 0

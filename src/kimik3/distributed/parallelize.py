@@ -1,0 +1,67 @@
+"""Transformations of a built K3 model for training: activation checkpointing, then FSDP2 data parallel.
+
+The model's code and module tree are never changed (checkpoint names stay the released ones):
+    apply_activation_checkpointing   each DecoderLayer's forward runs under torch.utils.checkpoint (non-reentrant)
+    apply_fsdp                       torch.distributed.fsdp.fully_shard on every DecoderLayer, then on the root
+FSDP2 works with gloo on CPU in torch 2.13 (tests/train/test_distributed.py runs it with 2 processes), so CPU
+and CUDA take the same path. Parameters stay fp32 in FSDP (no MixedPrecisionPolicy): bf16 compute comes from
+autocast, which leaves the model's explicit fp32 islands alone, whereas a bf16 param_dtype would also cast the
+islands (A_log, dt_bias, conv kernels, o_norm, router weight).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kimik3.model.decoder import DecoderLayer
+
+
+def decoder_layers(model: nn.Module) -> list[DecoderLayer]:
+    return [m for m in model.modules() if isinstance(m, DecoderLayer)]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each decoder layer in backward instead of storing its activations. Returns `model`.
+
+    The layer's bound `forward` is replaced on the instance (not wrapped in another module), so parameter
+    names, state_dict keys and hooks (FSDP, balancing) are exactly those of the plain model. Non-reentrant
+    checkpointing accepts the layer's list-of-tensors input and output and restores autocast on recompute.
+    """
+    for layer in decoder_layers(model):
+        if getattr(layer, "_kimik3_checkpointed", False):
+            continue
+        inner = layer.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+        layer._kimik3_checkpointed = True
+    return model
+
+
+def apply_fsdp(model: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2: shard every DecoderLayer (one all-gather per layer per pass), then the root (embeddings, output
+    norm and mix, LM head). `mesh`: a 1-D DeviceMesh (default: all ranks on the current device type)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh is None:
+        device_type = "cuda" if next(model.parameters()).is_cuda else "cpu"
+        mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def parallelize(model: nn.Module, *, activation_checkpointing: bool = False, data_parallel: bool = False,
+                mesh=None) -> nn.Module:
+    """The training transformations in their required order (checkpointing inside FSDP). Returns `model`."""
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if data_parallel:
+        apply_fsdp(model, mesh)
+    return model

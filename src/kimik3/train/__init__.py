@@ -1,0 +1,13 @@
+"""Training: data packing, chunked loss, quantile balancing, optimizers, the step, the loop, checkpoints.
+
+    from kimik3.train import Trainer, load_train_config
+    Trainer(load_train_config("configs/train/tiny.toml")).run()
+
+or `kimik3 train configs/train/tiny.toml` (README "Training").
+"""
+
+from kimik3.train.balancing import Balancer
+from kimik3.train.config import TrainConfig, load_train_config
+from kimik3.train.loop import Trainer
+
+__all__ = ["Balancer", "TrainConfig", "Trainer", "load_train_config"]

@@ -1,0 +1,239 @@
+"""The training run's TOML file, read into frozen dataclasses and validated once.
+
+Every key is checked: an unknown key, a wrong type or a value outside its choices raises ValueError naming
+the file and the `section.key`. Relative paths are taken from the current directory. `overrides` are
+`section.key=value` strings with TOML values (`train.steps=10`, `out_dir="runs/x"`), applied before the checks.
+See configs/train/tiny.toml for a complete example and README "Training" for every key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the project runs on 3.11+; tomli is the same parser for 3.10
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    config: str | None = None  # preset name (tiny, k3) or a config.json / checkpoint folder: fresh init
+    checkpoint: str | None = None  # a released-layout checkpoint folder (kimik3.load): start from its weights
+    init_seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataSection:
+    train: list[str] = field(default_factory=list)  # a shard folder, .bin files, or text files/globs
+    valid: list[str] = field(default_factory=list)
+    tokenizer: str | None = None  # tiktoken.model file or a folder with one (text files only)
+    eos_id: int | None = None  # the document separator (default: meta.json's, or the tokenizer's [EOS])
+    seq_len: int = 512
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 0
+    micro_batch_rows: int = 1  # rows of seq_len tokens packed into one micro-batch (one [1, R*T] row)
+    grad_accum: int = 1
+    precision: str = "fp32"  # "fp32" or "bf16" (autocast; fp32 master weights)
+    activation_checkpointing: bool = False
+    loss_chunk_tokens: int = 1024
+    clip_grad_norm: float = 1.0  # 0 disables clipping (the norm is still logged)
+    device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    name: str = "adamw"  # "adamw" or "muon" (Muon for hidden matrices, AdamW for the rest)
+    lr: float = 3e-4
+    schedule: str = "cosine"  # "cosine", "wsd" or "constant", after linear warmup
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    muon_momentum: float = 0.95
+
+
+@dataclass(frozen=True)
+class BalancingSection:
+    method: str = "qb"  # "qb", "qb_exact", "sign", "frozen"
+    bins: int = 1000
+    ema: float = 0.0
+    sign_gamma: float = 1e-3
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    every: int = 0  # steps between evaluations (0: only at the end, when data.valid is set)
+    rows: int = 16
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 0  # steps between saves (0: only at the end and on Ctrl-C / SIGTERM)
+    keep: int = 3
+    resume: str = "auto"  # "auto" (latest in out_dir if any), "never", or a step folder
+
+
+@dataclass(frozen=True)
+class LogSection:
+    every: int = 1
+    progress: bool = True
+    peak_tflops: float | None = None  # per-GPU peak for MFU (default: looked up for H100/H200/A100)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out_dir: str
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    train: TrainSection = TrainSection()
+    optim: OptimSection = OptimSection()
+    balancing: BalancingSection = BalancingSection()
+    eval: EvalSection = EvalSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    log: LogSection = LogSection()
+    source: str = field(default="<dict>", compare=False)
+
+    def to_dict(self) -> dict:
+        return {f.name: (getattr(self, f.name) if f.name == "out_dir" else vars(getattr(self, f.name)))
+                for f in fields(self) if f.name != "source"}
+
+
+CHOICES = {"train.precision": ("fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
+           "optim.name": ("adamw", "muon"), "optim.schedule": ("cosine", "wsd", "constant"),
+           "balancing.method": ("qb", "qb_exact", "sign", "frozen")}
+POSITIVE = ("data.seq_len", "train.steps", "train.micro_batch_rows", "train.grad_accum", "train.loss_chunk_tokens",
+            "balancing.bins", "eval.rows", "checkpoint.keep", "log.every")
+NON_NEGATIVE = ("optim.lr", "optim.warmup_steps", "optim.weight_decay", "train.clip_grad_norm", "eval.every",
+                "checkpoint.every", "balancing.sign_gamma")
+
+
+def _typed(value: Any, hint: Any, key: str, where: str) -> Any:
+    """`value` checked against a field's type hint (int, float, bool, str, X | None, list[str|float])."""
+    def bad(want: str) -> ValueError:
+        return ValueError(f"{where}: '{key}' must be {want}, got {type(value).__name__} {value!r}")
+
+    args = typing.get_args(hint)
+    if type(None) in args:  # X | None: TOML has no null, so a present key is always an X
+        return _typed(value, next(a for a in args if a is not type(None)), key, where)
+    if typing.get_origin(hint) is list:
+        item = args[0]
+        if isinstance(value, str) and item is str:
+            return [value]
+        if not isinstance(value, list):
+            raise bad(f"a list of {item.__name__}")
+        return [_typed(v, item, key, where) for v in value]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad("an integer")
+        return value
+    if hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise bad("a number")
+        return float(value)
+    if not isinstance(value, str):
+        raise bad("a string")
+    return value
+
+
+def _section(cls: type, raw: Any, name: str, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: '{name}' must be a table ([{name}]), got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls)]
+    values = {}
+    for key, value in raw.items():
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean '{name}.{near[0]}'?" if near else f" (known: {', '.join(known)})"
+            raise ValueError(f"{where}: unknown key '{name}.{key}'{hint}")
+        values[key] = _typed(value, hints[key], f"{name}.{key}", where)
+    return cls(**values)
+
+
+def _check_values(cfg: TrainConfig, where: str) -> None:
+    if cfg.train.steps == 0:
+        raise ValueError(f"{where}: 'train.steps' is required (the number of optimizer steps)")
+    for dotted, allowed in CHOICES.items():
+        value = getattr(getattr(cfg, dotted.split(".")[0]), dotted.split(".")[1])
+        if value not in allowed:
+            raise ValueError(f"{where}: '{dotted}' must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    for dotted, minimum in [(k, 1) for k in POSITIVE] + [(k, 0) for k in NON_NEGATIVE]:
+        value = getattr(getattr(cfg, dotted.split(".")[0]), dotted.split(".")[1])
+        if value < minimum:
+            raise ValueError(f"{where}: '{dotted}' must be >= {minimum}, got {value}")
+    if (cfg.model.config is None) == (cfg.model.checkpoint is None):
+        raise ValueError(f"{where}: set exactly one of 'model.config' (fresh init) and 'model.checkpoint'")
+    if not cfg.data.train:
+        raise ValueError(f"{where}: 'data.train' is required (shard folder, .bin files or text files)")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ValueError(f"{where}: 'optim.betas' must be two numbers in [0, 1), got {cfg.optim.betas}")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1 or not 0 < cfg.optim.decay_fraction <= 1:
+        raise ValueError(f"{where}: 'optim.min_lr_ratio' must be in [0, 1] and 'optim.decay_fraction' in (0, 1]")
+    if not 0 <= cfg.balancing.ema < 1:
+        raise ValueError(f"{where}: 'balancing.ema' must be in [0, 1), got {cfg.balancing.ema}")
+
+
+def from_dict(raw: dict, where: str = "<dict>") -> TrainConfig:
+    """Validate a parsed TOML document (see the module docstring)."""
+    sections = {f.name: f for f in fields(TrainConfig) if f.name not in ("out_dir", "source")}
+    unknown = [k for k in raw if k not in sections and k != "out_dir"]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], [*sections, "out_dir"], n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else f" (known: out_dir, {', '.join(sections)})"
+        raise ValueError(f"{where}: unknown key '{unknown[0]}'{hint}")
+    if "out_dir" not in raw:
+        raise ValueError(f"{where}: 'out_dir' is required (the run's folder: checkpoints, metrics.jsonl)")
+    out_dir = _typed(raw["out_dir"], str, "out_dir", where)
+    hints = typing.get_type_hints(TrainConfig)
+    parts = {name: _section(hints[name], raw[name], name, where) for name in sections if name in raw}
+    cfg = TrainConfig(out_dir=out_dir, source=where, **parts)
+    _check_values(cfg, where)
+    return cfg
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """`section.key=value` (TOML value; a bare word is taken as a string) set into the raw document."""
+    if "=" not in item:
+        raise ValueError(f"--set expects section.key=value, got {item!r}")
+    dotted, text = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    *parents, key = dotted.strip().split(".")
+    node = raw
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[key] = value
+
+
+def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """Read, override and validate a training TOML file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no training config at {path}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML ({e})") from None
+    for item in overrides or []:
+        apply_override(raw, item)
+    return from_dict(raw, str(path))

@@ -1,0 +1,118 @@
+"""What a run reports: model FLOPs per token (for MFU), the metrics JSONL file and the progress bar.
+
+FLOPs per trained token (forward + backward = 3 x forward; recomputation is not counted, as usual for MFU):
+
+    6 * P_active                       P_active = parameters a token multiplies by: every Linear of the
+                                       attention, the dense MLP, the router, the latent down/up projections,
+                                       the shared expert, A of the E routed experts, the LM head (no embedding)
+  + 6 * H * (K_qk + V) * T / 2         per MLA layer: q.k and p.v over on average T/2 causal keys, T = seq_len
+                                       (an upper bound when rows pack several documents)
+  + 18 * H * K * V                     per KDA layer: the recurrent form's three K x V products per token
+                                       (S^T k, k u^T, S^T q); the chunked kernel does somewhat more work
+
+MFU = FLOPs per token x global tokens/s / (ranks x peak FLOP/s); reported on CUDA only. The peak is
+`log.peak_tflops`, or the dense bf16 peak of a known GPU (H100/H200 989, A100 312 TFLOP/s).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from kimik3.config import TextConfig
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def active_params(cfg: TextConfig) -> int:
+    """Matmul parameters one token uses (see the module docstring)."""
+    D, k, m, e = cfg.hidden_size, cfg.kda, cfg.mla, cfg.moe
+    P = k.proj_dim
+    kda = 4 * D * P + P * D + D * k.head_dim + k.head_dim * P + D * k.num_heads
+    H = m.num_heads
+    mla = (D * m.q_lora_rank + m.q_lora_rank * H * m.qk_head_dim + D * (m.kv_lora_rank + m.qk_rope_head_dim)
+           + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim) + 2 * D * H * m.v_head_dim)
+    moe = (D * e.num_experts + 2 * D * e.latent_dim + 3 * D * e.shared_dim
+           + e.num_experts_per_token * 3 * e.latent_dim * e.expert_dim)
+    total = cfg.vocab_size * D
+    for kind, is_moe in zip(cfg.layer_types, cfg.moe_layers):
+        total += (kda if kind == "kda" else mla) + (moe if is_moe else 3 * D * cfg.intermediate_size)
+    return total
+
+
+def flops_per_token(cfg: TextConfig, seq_len: int) -> float:
+    m, k = cfg.mla, cfg.kda
+    attn = sum(6 * m.num_heads * (m.qk_head_dim + m.v_head_dim) * seq_len / 2 if kind == "mla"
+               else 18 * k.num_heads * k.head_dim * k.head_dim for kind in cfg.layer_types)
+    return 6.0 * active_params(cfg) + attn
+
+
+def peak_flops(device: torch.device, configured: float | None) -> float | None:
+    """Per-device peak FLOP/s for MFU, or None (CPU, or an unknown GPU without log.peak_tflops)."""
+    if device.type != "cuda":
+        return None
+    if configured:
+        return configured * 1e12
+    name = torch.cuda.get_device_name(device)
+    return next((v * 1e12 for key, v in PEAK_TFLOPS.items() if key in name), None)
+
+
+class MetricsLog:
+    """Append-only JSONL, one record per logged step or evaluation (rank 0 writes)."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        keep = []
+        if resume_step is not None and path.exists():  # drop records of steps a killed run did not save
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, default=_plain) + "\n")
+
+
+def _plain(x):
+    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class Progress:
+    """A rich progress bar: step, loss, tokens/s and ETA (or nothing when disabled)."""
+
+    def __init__(self, enabled: bool, total: int, start: int):
+        self.bar = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
+            TimeElapsedColumn, TimeRemainingColumn
+
+        self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+        self.task = self.bar.add_task("train", total=total, completed=start, loss="-", tps="-")
+        self.bar.start()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+
+    def print(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,102 @@
+"""One optimizer step (accumulated micro-batches, clipping, update, balancing) and evaluation.
+
+Loss normalization: each rank's micro-batch loss is its SUM of token CE times W / N, with N the number of
+target tokens in the whole global batch (all ranks, all micro-batches; one all-reduce before the forwards)
+and W the ranks. FSDP averages gradients over ranks (divides by W), so the update is exactly that of the
+global-batch mean loss, independent of how rows are split over ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kimik3.distributed.env import all_reduce
+from kimik3.model.moe import Router
+from kimik3.train.balancing import Balancer
+from kimik3.train.data import MicroBatch
+from kimik3.train.optim import Optimizers
+
+
+@dataclass
+class StepResult:
+    loss: float  # global-batch mean CE
+    grad_norm: float  # before clipping
+    tokens: int  # global input tokens of the step
+    balance: dict  # Balancer.step() metrics
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast (fp32 master weights) or nothing."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def keep_routers_fp32(model: nn.Module) -> nn.Module:
+    """Run every Router with autocast disabled. Returns `model`.
+
+    Autocast would compute the router's fp32 matmul (`x.float() @ W.float().T`) in bf16; the spec keeps the
+    router an fp32 island, and quantile balancing reads its scores, cutoffs and biases in fp32. Like
+    activation checkpointing, this replaces the instance's forward and leaves names and hooks unchanged.
+    """
+    for router in [m for m in model.modules() if isinstance(m, Router)]:
+        inner = router.forward
+
+        def forward(x: Tensor, _inner=inner):
+            with torch.autocast(x.device.type, enabled=False):
+                return _inner(x)
+
+        router.forward = forward
+    return model
+
+
+def _clip(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm (over all ranks' shards); returns the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def train_step(model: nn.Module, batches: list[MicroBatch], optimizers: Optimizers, balancer: Balancer, *,
+               device: torch.device, precision: str, clip_grad_norm: float, world_size: int) -> StepResult:
+    """Forward/backward every micro-batch of this rank, then clip, step the optimizers and the balancer."""
+    counts = torch.tensor([sum(b.num_targets for b in batches), sum(b.input_ids.numel() for b in batches)],
+                          dtype=torch.float64, device=device)
+    all_reduce(counts)
+    targets, tokens = max(float(counts[0]), 1.0), int(counts[1])
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    for i, mb in enumerate(batches):
+        mb = mb.to(device)
+        if sync is not None:  # FSDP: reduce-scatter gradients once, after the last micro-batch
+            sync(i == len(batches) - 1)
+        with balancer.collecting(), autocast(device, precision):
+            loss = model(mb.input_ids, mb.labels, mb.cu_seqlens)
+        (loss * (world_size / targets)).backward()
+        loss_sum += loss.detach().double()
+    grad_norm = _clip(model, clip_grad_norm)
+    optimizers.step()
+    optimizers.zero_grad()
+    balance = balancer.step()  # after the last backward, before the next forward (spec 4.3)
+    return StepResult(float(all_reduce(loss_sum)) / targets, grad_norm, tokens, balance)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[MicroBatch], *, device: torch.device, precision: str) -> dict:
+    """Mean CE and perplexity over every rank's validation micro-batches (no balancing statistics)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    try:
+        for mb in batches:
+            mb = mb.to(device)
+            with autocast(device, precision):
+                total[0] += model(mb.input_ids, mb.labels, mb.cu_seqlens).double()
+            total[1] += mb.num_targets
+    finally:
+        model.train()
+    all_reduce(total)
+    loss = float(total[0] / total[1].clamp(min=1))
+    return {"eval_loss": loss, "eval_ppl": float(torch.tensor(loss).exp()), "eval_tokens": int(total[1])}
