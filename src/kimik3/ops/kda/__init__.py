@@ -88,13 +88,9 @@ def chunk_kda_with_gate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     On CUDA this is fla-core's `chunk_kda` with K3's flags (gate, norm and sigmoid in the kernel, safe gate);
     elsewhere, or under `use_backend("torch")`, the reference. Returns (o [B, T, H, V] in v.dtype, state | None).
     """
-    if use_fast(v):
-        return fla.chunk_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
-                                       initial_state=initial_state, output_final_state=output_final_state,
-                                       cu_seqlens=cu_seqlens)
-    q, k, g, beta = reference.gate_inputs(q, k, g, beta, A_log, dt_bias, lower_bound)
-    return reference.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    return _with_gate(fla.chunk_kda_with_gate, reference.chunk_kda, q, k, v, g, beta, A_log, dt_bias, lower_bound,
+                      scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                      cu_seqlens=cu_seqlens)
 
 
 def recurrent_kda_with_gate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor,
@@ -102,10 +98,14 @@ def recurrent_kda_with_gate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
                             initial_state: Tensor | None = None, output_final_state: bool = False,
                             cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """`chunk_kda_with_gate` one token at a time, for decode (fla's `fused_recurrent_kda` on CUDA)."""
+    return _with_gate(fla.recurrent_kda_with_gate, reference.recurrent_kda, q, k, v, g, beta, A_log, dt_bias,
+                      lower_bound, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                      cu_seqlens=cu_seqlens)
+
+
+def _with_gate(fast, ref, q, k, v, g, beta, A_log, dt_bias, lower_bound, **kw):
+    """fla's fused kernel on CUDA; elsewhere the activations in torch, then the reference delta rule."""
     if use_fast(v):
-        return fla.recurrent_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
-                                           initial_state=initial_state, output_final_state=output_final_state,
-                                           cu_seqlens=cu_seqlens)
+        return fast(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, **kw)
     q, k, g, beta = reference.gate_inputs(q, k, g, beta, A_log, dt_bias, lower_bound)
-    return reference.recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    return ref(q, k, v, g, beta, **kw)

@@ -218,17 +218,20 @@ def _tiles_kernel(idx_ptr, tiles_ptr, M, T, E: tl.constexpr, EB: tl.constexpr, B
 
 
 @triton.jit
+def _tile(tiles_ptr, T, tile):
+    """(expert, first row, end row) of one tile; surplus tiles have first row >= end row."""
+    return tl.load(tiles_ptr + tile).to(tl.int64), tl.load(tiles_ptr + T + tile), tl.load(tiles_ptr + 2 * T + tile)
+
+
+@triton.jit
 def _gate_up_kernel(z_ptr, order_ptr, tiles_ptr, T, w1p_ptr, w3p_ptr, w1s_ptr, w3s_ptr, h_ptr, beta, linear_beta,
                     A: tl.constexpr, L: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, SWAP: tl.constexpr, INTERPRET: tl.constexpr):
     """h[rows, n block] = SiTU(round(x @ w1^T), round(x @ w3^T)) for one tile of one expert's rows."""
     pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
-    r0 = tl.load(tiles_ptr + T + tile)
-    r1 = tl.load(tiles_ptr + 2 * T + tile)
+    e, r0, r1 = _tile(tiles_ptr, T, tl.program_id(1))
     if r0 >= r1:
         return
-    e = tl.load(tiles_ptr + tile).to(tl.int64)
     DTYPE: tl.constexpr = z_ptr.dtype.element_ty
     rows = r0 + tl.arange(0, BM)
     r_mask = rows < r1
@@ -263,12 +266,9 @@ def _down_kernel(h_ptr, order_ptr, tiles_ptr, T, w2p_ptr, w2s_ptr, y_ptr, L: tl.
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, INTERPRET: tl.constexpr):
     """y[flat rows, n block] = round(h[rows] @ w2^T) for one tile of one expert's (sorted) rows."""
     pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
-    r0 = tl.load(tiles_ptr + T + tile)
-    r1 = tl.load(tiles_ptr + 2 * T + tile)
+    e, r0, r1 = _tile(tiles_ptr, T, tl.program_id(1))
     if r0 >= r1:
         return
-    e = tl.load(tiles_ptr + tile).to(tl.int64)
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     rows = r0 + tl.arange(0, BM)
     r_mask = rows < r1
