@@ -6,12 +6,17 @@
     4. per shard (one open at a time), per tensor in file order: read, cast to the destination's dtype,
        copy into place (a per-expert tensor into its slice of the stacked experts)
 
+With `expert_shard=(rank, world)` the model holds only that rank's contiguous routed experts
+(`kimik3.checkpoint.sharded`); the whole header set is still checked, but other ranks' per-expert tensors
+are never read.
+
 Peak memory is the model plus about one tensor: shards are read with pread (`backend="pread"`), so no
 mapped file pages pile up in the process while a 16 GB shard is read.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,6 +29,7 @@ from kimik3.checkpoint.inventory import (compare, expected_specs, mismatch_error
 from kimik3.checkpoint.keys import is_vision_key, parse_expert_key
 from kimik3.checkpoint.progress import progress_bar, wanted
 from kimik3.checkpoint.safetensors_header import TensorEntry
+from kimik3.checkpoint.sharded import ExpertShard, slice_experts
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.moe import pack_experts
@@ -38,8 +44,8 @@ def vision_by_default(cfg: K3Config) -> bool:
 
 
 def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-         text_only: bool | None = None, experts: str = "dequantize", quiet: bool = False
-         ) -> K3ForConditionalGeneration:
+         text_only: bool | None = None, experts: str = "dequantize", quiet: bool = False,
+         expert_shard: tuple[int, int] | None = None) -> K3ForConditionalGeneration:
     """Load a checkpoint folder (config.json, model.safetensors.index.json + shards, or model.safetensors).
 
     Args:
@@ -54,6 +60,8 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
             (`MXFP4Experts`: the checkpoint bytes are copied, never decoded). Dense (`.weight`) experts load
             into either; into "mxfp4" they are encoded, which is lossy unless they came from MXFP4.
         quiet: no progress bar (it is shown only when stderr is a terminal anyway).
+        expert_shard: (rank, world): keep and read only routed experts [rank*E/W, (rank+1)*E/W) of every
+            MoE layer (expert parallelism; `kimik3.distributed.expert_parallel.load_expert_parallel`).
 
     Returns:
         the model; `model(input_ids [B, T])` -> logits [B, T, vocab].
@@ -79,11 +87,15 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
     with_vision = vision_by_default(cfg) if text_only is None else not text_only
     if with_vision and cfg.vision is None:
         raise ValueError(f"{folder.config}: text_only=False, but the config has no vision_config")
+    shard = ExpertShard(*expert_shard, cfg.text.moe.num_experts) if expert_shard is not None else None
     model = _meta_model(cfg if with_vision else without_vision(cfg), dtype, experts, with_vision)
     with gc_paused():
         entries = _checked_entries(folder, cfg, with_vision)
+    if shard is not None:
+        slice_experts(model, shard.rank, shard.world)
+        entries = [e for e in entries if shard.reads(e.name)]
     model.to_empty(device=device)
-    _fill(model, folder.path, entries, device, quiet)
+    _fill(model, folder.path, entries, device, quiet, shard.start if shard is not None else 0)
     return model
 
 
@@ -134,8 +146,9 @@ def _checked_entries(folder: Folder, cfg: K3Config, with_vision: bool) -> list[T
 
 @torch.no_grad()
 def _fill(model: K3ForConditionalGeneration, root: Path, entries: list[TensorEntry], device: torch.device,
-          quiet: bool) -> None:
-    """Read every entry (file by file, in file order) into the model's state-dict tensors."""
+          quiet: bool, first_expert: int = 0) -> None:
+    """Read every entry (file by file, in file order) into the model's state-dict tensors; per-expert
+    tensors of expert e land in row e - first_expert of the stacked (possibly sharded) experts."""
     state = model.state_dict()
     written = 0
     # MXFP4 halves waiting for their partner: a writer keeps an expert's packed and scale tensors adjacent,
@@ -150,7 +163,7 @@ def _fill(model: K3ForConditionalGeneration, root: Path, entries: list[TensorEnt
             try:
                 with safe_open(root / file, framework="pt", backend="pread") as f:
                     for e in file_entries:
-                        written += _place(state, e.name, f.get_tensor(e.name).to(device), pending)
+                        written += _place(state, e.name, f.get_tensor(e.name).to(device), pending, first_expert)
                         advance(e.nbytes)
             except SafetensorError as err:
                 raise ValueError(f"{root / file}: safetensors could not read it ({err})") from None
@@ -158,10 +171,12 @@ def _fill(model: K3ForConditionalGeneration, root: Path, entries: list[TensorEnt
     assert not pending and written == sum(t.numel() for t in state.values()), (len(pending), written)
 
 
-def _place(state: dict[str, Tensor], name: str, t: Tensor, pending: dict[tuple[str, int], dict[str, Tensor]]
-           ) -> int:
+def _place(state: dict[str, Tensor], name: str, t: Tensor, pending: dict[tuple[str, int], dict[str, Tensor]],
+           first_expert: int = 0) -> int:
     """Copy checkpoint tensor `name` into its destination; returns the number of elements written."""
     key = parse_expert_key(name)
+    if key is not None:
+        key = replace(key, expert=key.expert - first_expert)  # the row in this rank's stacked experts
     if key is None:
         dst = state[name]
     elif key.part == "weight":  # a dense expert: straight in, or encoded into packed buffers
