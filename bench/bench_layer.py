@@ -62,7 +62,7 @@ def main():
         results[f"{kind} prefill T={T}"] = {"ms": ms, "flops": flops, "tflops": rate / 1e12, "fraction": frac}
         rows.append([kind, f"prefill T={T}", f"{ms:.2f}", f"{flops / ceil['bf16_flops_per_s'] * 1e3:.2f}",
                      f"{frac * 100:.0f}% of mm rate", f"{rate / 1e12:.0f} TFLOP/s"])
-        del layer
+        layer = None  # free the layer's weights before building the next
         torch.cuda.empty_cache()
     table(f"one real-dims layer (copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 mm {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from bench.common import environment, median_ms, table, write_json
-from kimik3.ops.mla import mla_attention, mla_latent_attention
+from kimik3.ops.mla import mla_latent_attention
 
 H, N, R, V, C = 96, 128, 64, 128, 512
 

@@ -117,8 +117,8 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, E=E, L=L, F=F, A=A,
                        copy_bw=COPY_BW, matmul=MATMUL, results=results), f, indent=1)
-    print(f"\n     N  touch   relerr    mx ms  mx grph  bf16 ms bf16 grph  bf/mx  mxmemF  bfmemF  flopF  "
-          f"mx/floor\n" + "\n".join(rows) + f"\n(json: {out})")
+    print("\n     N  touch   relerr    mx ms  mx grph  bf16 ms bf16 grph  bf/mx  mxmemF  bfmemF  flopF  "
+          "mx/floor\n" + "\n".join(rows) + f"\n(json: {out})")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ def ceilings() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = median_ms(lambda: a @ b, 3, 20)
-    del x, y
     return {"copy_bytes_per_s": 2 * 2**31 / (copy_ms * 1e-3), "bf16_flops_per_s": 2 * 8192**3 / (mm_ms * 1e-3)}
 
 
