@@ -63,3 +63,29 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 def _seed():
     """Every test draws the same random inputs on every run."""
     torch.manual_seed(1234)
+
+
+@pytest.fixture
+def tensors_read(monkeypatch) -> list[str]:
+    """The names of the checkpoint tensors `kimik3.load` reads (its safe_open spied on), in order."""
+    from kimik3.checkpoint import loader
+
+    read, real = [], loader.safe_open
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.outer = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.f = self.outer.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.outer.__exit__(*exc)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.f.get_tensor(name)
+
+    monkeypatch.setattr(loader, "safe_open", Spy)
+    return read

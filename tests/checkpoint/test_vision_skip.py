@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kimik3.checkpoint import inspect_checkpoint, load, loader, save
+from kimik3.checkpoint import inspect_checkpoint, load, save
 from kimik3.checkpoint.keys import TensorSpec, is_vision_key
 from kimik3.checkpoint.keys import checkpoint_specs
 from kimik3.checkpoint.safetensors_header import encode_header
@@ -48,7 +48,7 @@ def test_unreadable_vision_shard_loads_text_only(with_vision, packed_model):
     assert not report.mismatch and len(report.problems) == 1 and "truncated" in report.problems[0]
 
 
-def test_vision_tensors_in_a_text_shard_are_never_read(saved, tmp_path, tiny_config, packed_model, monkeypatch):
+def test_vision_tensors_in_a_text_shard_are_never_read(saved, tmp_path, tiny_config, packed_model, tensors_read):
     ck = copy_of(saved, tmp_path / "ck")
     edit_json(ck / "config.json", lambda c: c.update(vision_config=VISION))
     first = sorted(ck.glob("model-*.safetensors"))[0]
@@ -59,24 +59,7 @@ def test_vision_tensors_in_a_text_shard_are_never_read(saved, tmp_path, tiny_con
     edit_json(ck / "model.safetensors.index.json",
               lambda c: c["weight_map"].update({n: first.name for n in tensors}))
 
-    read, real = [], loader.safe_open
-
-    class Spy:
-        def __init__(self, *args, **kwargs):
-            self.outer = real(*args, **kwargs)
-
-        def __enter__(self):
-            self.f = self.outer.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.outer.__exit__(*exc)
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.f.get_tensor(name)
-
-    monkeypatch.setattr(loader, "safe_open", Spy)
+    read = tensors_read
     assert_state_equal(packed_model, load(ck, experts="mxfp4", text_only=True))
     assert read and not [n for n in read if n.startswith(("vision_tower.", "mm_projector."))]
     assert inspect_checkpoint(ck).ok  # headers and the vision inventory agree

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from kimik3.checkpoint import load, loader, save
+from kimik3.checkpoint import load, save
 from kimik3.checkpoint.inventory import without_vision
 from kimik3.checkpoint.keys import parse_expert_key
 from kimik3.checkpoint.sharded import ExpertShard, slice_experts
@@ -247,26 +247,9 @@ def test_sharded_load_runs_expert_parallel(ranks):
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "dequantize"])
-def test_each_rank_reads_only_its_experts(checkpoint, monkeypatch, experts):
+def test_each_rank_reads_only_its_experts(checkpoint, tensors_read, experts):
     full = load(checkpoint, dtype=torch.float32, experts=experts).state_dict()
-    read, real = [], loader.safe_open
-
-    class Spy:
-        def __init__(self, *args, **kwargs):
-            self.outer = real(*args, **kwargs)
-
-        def __enter__(self):
-            self.f = self.outer.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.outer.__exit__(*exc)
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.f.get_tensor(name)
-
-    monkeypatch.setattr(loader, "safe_open", Spy)
+    read = tensors_read
     world, E = 4, _cfg().text.moe.num_experts
     for rank in range(world):
         read.clear()
