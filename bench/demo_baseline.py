@@ -101,7 +101,7 @@ def main() -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16"):
                 loss = model(mb.input_ids, mb.labels, mb.cu_seqlens, t.micro_batch_rows)
             (loss / mb.num_targets).backward()
-            total, targets = total + float(loss), targets + mb.num_targets
+            total, targets = total + float(loss.detach()), targets + mb.num_targets
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad_norm)
         opt.step()
         opt.zero_grad()
