@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,16 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             v = 0.5 * torch.randn(t.shape, generator=g) / max(t.shape[-1], 1) ** 0.5
         t.copy_(v.to(t.dtype))
     return model
+
+
+def pytest_configure(config):
+    """KIMIK3_TEST_TRITON_FIRST_CONFIG=1 (device runs of the GPU tests): every Triton autotuner takes its first
+    config instead of compiling and timing them all. fla's KDA kernels autotune ~30 kernels per dtype, which
+    costs minutes on a fresh machine; correctness does not depend on the config, only speed does."""
+    if os.environ.get("KIMIK3_TEST_TRITON_FIRST_CONFIG") == "1":
+        from triton.runtime import autotuner
+
+        autotuner.Autotuner._bench = lambda self, *args, config, **kwargs: [0.0, 0.0, 0.0]
 
 
 @pytest.fixture(autouse=True)
