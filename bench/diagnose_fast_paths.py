@@ -19,6 +19,7 @@ from kimik3.config import K3Config
 from kimik3.model import K3ForCausalLM
 from kimik3.model.moe import Router
 from kimik3.ops.kda import chunk_kda_with_gate
+from kimik3.ops import backend
 from kimik3.ops.backend import use_backend
 from tests.conftest import pytest_configure, randomize, rel_err
 
@@ -37,7 +38,7 @@ def only(active: str | None):
     """Switch each op family's `use_fast` so only `active` takes its CUDA path."""
     for name in OPS:
         mod = importlib.import_module(f"kimik3.ops.{name}")
-        mod.use_fast = (lambda n: lambda t: t.is_cuda and n == active)(name)
+        mod.use_fast = (lambda n: lambda t: backend.use_fast(t) and n == active)(name)
 
 
 def forward_with_routes(model, ids):
@@ -79,21 +80,35 @@ def main() -> None:
             out, routes = forward_with_routes(m, ids)
             report(f"{op} {str(dtype)[6:]}", out, ref, routes, ref_routes)
         only(None)
-    # the KDA op alone at the tiny model's shapes, fla vs reference
-    g = torch.Generator(device=DEV).manual_seed(0)
+    # the KDA op alone, fla vs reference: forward, final state and every gradient, over head counts and dims
+    only("kda")
     for dtype in (torch.float32, torch.bfloat16):
-        x = [torch.randn(2, 150, 3, 64, device=DEV, generator=g).to(dtype) for _ in range(4)]
-        beta = torch.randn(2, 150, 3, device=DEV, generator=g)
-        A_log, dt_bias = torch.rand(64, device=DEV) * 2 - 1, 0.5 * torch.randn(192, device=DEV)
-        args = (*x, beta, A_log, dt_bias)
-        only("kda")
-        o, s = chunk_kda_with_gate(*args, lower_bound=-5.0, output_final_state=True)
-        with use_backend("torch"):
-            o_ref, s_ref = chunk_kda_with_gate(*args, lower_bound=-5.0, output_final_state=True)
-        tok = ((o - o_ref).float().norm(dim=-1) / o_ref.float().norm(dim=-1)).flatten()
-        print(f"kda op {str(dtype)[6:]}: o {rel_err(o, o_ref):.2e} state {rel_err(s, s_ref):.2e} first-token "
-              f"{tok[0]:.2e} max token {tok.max():.2e}", flush=True)
+        for H, K, h0 in ((3, 64, False), (4, 64, False), (3, 128, False), (4, 128, False), (4, 128, True)):
+            kda_op(dtype, H, K, h0)
 
+
+def kda_op(dtype, H, K, with_h0, B=2, T=150):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = {n: torch.randn(B, T, H, K, device=DEV, generator=g).to(dtype) for n in ("q", "k", "v", "g")}
+    x["beta"] = torch.randn(B, T, H, device=DEV, generator=g)
+    x["A_log"] = torch.rand(max(H, K), device=DEV, generator=g) * 2 - 1
+    x["dt_bias"] = 0.5 * torch.randn(H * K, device=DEV, generator=g)
+    if with_h0:
+        x["initial_state"] = torch.randn(B, H, K, K, device=DEV, generator=g)
+    w_o = torch.randn(B, T, H, K, device=DEV, generator=g)
+    w_s = torch.randn(B, H, K, K, device=DEV, generator=g)
+    res = []
+    for name in ("auto", "torch"):
+        leaves = {n: t.detach().clone().requires_grad_(n != "A_log") for n, t in x.items()}
+        with use_backend(name):
+            o, s = chunk_kda_with_gate(**leaves, lower_bound=-5.0, output_final_state=True)
+        ((o.float() * w_o).sum() + (s * w_s).sum()).backward()
+        res.append((o, s, {n: t.grad for n, t in leaves.items() if t.grad is not None}))
+    (o, s, gr), (o_r, s_r, gr_r) = res
+    tok = ((o - o_r).float().norm(dim=-1) / o_r.float().norm(dim=-1)).flatten()
+    grads = " ".join(f"d{n} {rel_err(gr[n], gr_r[n]):.1e}" for n in gr_r)
+    print(f"kda {str(dtype)[6:]} H={H} K={K} h0={with_h0}: o {rel_err(o, o_r):.1e} (token max {tok.max():.1e}) "
+          f"state {rel_err(s, s_r):.1e} | {grads}", flush=True)
 
 if __name__ == "__main__":
     main()
