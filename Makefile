@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/kimik3 params
+	$(BIN)/kimik3 generate --prompt "ROMEO:"
 
 test: setup
 	$(BIN)/python -m pytest

@@ -83,11 +83,13 @@ def main() -> None:
     # the KDA op alone, fla vs reference: forward, final state and every gradient, over head counts and dims
     only("kda")
     for dtype in (torch.float32, torch.bfloat16):
-        for H, K, h0 in ((3, 64, False), (4, 64, False), (3, 128, False), (4, 128, False), (4, 128, True)):
-            kda_op(dtype, H, K, h0)
+        for B, T, H, K, h0 in ((2, 150, 3, 64, False), (2, 150, 4, 64, False), (2, 150, 3, 128, False),
+                               (2, 150, 4, 128, False), (2, 150, 4, 128, True), (1, 130, 2, 128, True),
+                               (1, 130, 2, 128, False), (1, 150, 2, 128, True), (1, 130, 4, 128, True)):
+            kda_op(dtype, H, K, h0, B, T)
 
 
-def kda_op(dtype, H, K, with_h0, B=2, T=150):
+def kda_op(dtype, H, K, with_h0, B, T):
     g = torch.Generator(device=DEV).manual_seed(0)
     x = {n: torch.randn(B, T, H, K, device=DEV, generator=g).to(dtype) for n in ("q", "k", "v", "g")}
     x["beta"] = torch.randn(B, T, H, device=DEV, generator=g)
@@ -107,7 +109,7 @@ def kda_op(dtype, H, K, with_h0, B=2, T=150):
     (o, s, gr), (o_r, s_r, gr_r) = res
     tok = ((o - o_r).float().norm(dim=-1) / o_r.float().norm(dim=-1)).flatten()
     grads = " ".join(f"d{n} {rel_err(gr[n], gr_r[n]):.1e}" for n in gr_r)
-    print(f"kda {str(dtype)[6:]} H={H} K={K} h0={with_h0}: o {rel_err(o, o_r):.1e} (token max {tok.max():.1e}) "
+    print(f"kda {str(dtype)[6:]} B={B} T={T} H={H} K={K} h0={with_h0}: o {rel_err(o, o_r):.1e} (token max {tok.max():.1e}) "
           f"state {rel_err(s, s_r):.1e} | {grads}", flush=True)
 
 if __name__ == "__main__":

@@ -35,13 +35,33 @@ def build(cfg, src, dtype, device="cpu"):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float32, 5e-3)])
-def test_gpu_model_matches_cpu_reference(cfg, cpu_model, dtype, tol):
+def test_gpu_model_matches_cpu_reference_fp32(cfg, cpu_model):
     ids = torch.randint(0, 300, (2, 150))
-    ref = build(cfg, cpu_model, dtype)(ids).float()
-    out = build(cfg, cpu_model, dtype, "cuda")(ids.cuda()).float().cpu()
-    print(f"gpu vs cpu {dtype}: {rel_err(out, ref):.2e}")
-    assert rel_err(out, ref) < tol
+    ref = build(cfg, cpu_model, torch.float32)(ids)
+    out = build(cfg, cpu_model, torch.float32, "cuda")(ids.cuda()).cpu()
+    print(f"gpu vs cpu fp32: {rel_err(out, ref):.2e}")
+    assert rel_err(out, ref) < 5e-3
+
+
+@torch.no_grad()
+def test_gpu_model_bf16_is_as_close_to_fp32_as_the_reference(cfg, cpu_model):
+    """In bf16 the random tiny model turns each rounding difference into O(1) changes of some tokens (a
+    router top-k flip; measured: 83 of 300 tokens flip between two bf16 KDA implementations), so no fixed
+    bound on fast-vs-reference holds. What must hold: the fast bf16 model is as close to the fp32 truth as the
+    bf16 reference is, overall and per token (median)."""
+    ids = torch.randint(0, 300, (2, 150))
+    truth = build(cfg, cpu_model, torch.float32)(ids)
+    ref = build(cfg, cpu_model, torch.bfloat16)(ids).float()
+    fast = build(cfg, cpu_model, torch.bfloat16, "cuda")(ids.cuda()).float().cpu()
+
+    def errors(x):
+        tok = (x - truth).norm(dim=-1) / truth.norm(dim=-1)
+        return rel_err(x, truth), tok.median().item()
+
+    (ref_all, ref_med), (fast_all, fast_med) = errors(ref), errors(fast)
+    print(f"vs fp32: bf16 reference {ref_all:.2e} (median token {ref_med:.2e}), "
+          f"bf16 fast {fast_all:.2e} (median token {fast_med:.2e})")
+    assert fast_all < 1.5 * ref_all and fast_med < 1.5 * ref_med
 
 
 @torch.no_grad()
@@ -64,10 +84,15 @@ def test_cuda_graph_decode_equals_eager(cfg, cpu_model):
     model(ids, cache=eager_cache), model(ids, cache=graph_cache)
     decoder = GraphedDecoder(model, graph_cache)
     tokens = torch.randint(0, 300, (4,), device="cuda")
+    position = torch.zeros(1, dtype=torch.long, device="cuda")
     for _ in range(10):
-        a = model(tokens[:, None], cache=eager_cache)[:, -1]
+        # eager at the graph's static shapes (attention over the whole cache, masked): the same kernels
+        position.fill_(eager_cache.length)
+        step = eager_cache.make_step(position, None, span=eager_cache.max_length)
+        eager_cache.length += 1
+        a = model(tokens[:, None], cache=eager_cache, step=step)[:, -1]
         b = decoder(tokens).clone()
-        assert rel_err(b.float(), a.float()) < 1e-2
+        assert rel_err(b.float(), a.float()) < 1e-6
         tokens = a.argmax(-1)
     p = SamplingParams(temperature=0, max_new_tokens=12)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 
@@ -14,24 +15,33 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=None, help="most tokens (prompt + answer) a sequence may hold")
 
 
+# sampling flags left unset take the model's generation_config.json value (Hugging Face keys), else the
+# SamplingParams default: a checkpoint can ship the settings it samples well with
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g = p.add_argument_group("sampling (unset: the model's generation_config.json, else the default shown)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy; default 1.0")
+    g.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
+    g.add_argument("--top-p", type=float, default=None, help="default 1.0 (off)")
+    g.add_argument("--min-p", type=float, default=None, help="default 0.0 (off)")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="default 1.0 (off)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def sampling_params(args):
+    """SamplingParams from the flags, falling back to the model's generation_config.json, then the defaults."""
+    from kimik3.checkpoint.folder import GENERATION_CONFIG
     from kimik3.inference import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed,
-                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+    gen_file = model_path(args) / GENERATION_CONFIG
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    kw = {k: getattr(args, k) if getattr(args, k) is not None else gen[k]
+          for k in SAMPLING_KEYS if getattr(args, k) is not None or k in gen}
+    return SamplingParams(**kw, seed=args.seed, stop=tuple(args.stop))
 
 
 def model_path(args) -> Path:
