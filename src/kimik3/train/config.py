@@ -46,6 +46,7 @@ class TrainSection:
     grad_accum: int = 1
     precision: str = "fp32"  # "fp32" or "bf16" (autocast; fp32 master weights)
     activation_checkpointing: bool = False
+    expert_parallel: bool = False  # under torchrun: routed experts sharded over the ranks (EP size = DP size)
     loss_chunk_tokens: int = 1024
     clip_grad_norm: float = 1.0  # 0 disables clipping (the norm is still logged)
     device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda"

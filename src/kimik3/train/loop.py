@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kimik3.distributed import all_reduce, barrier, init_distributed, parallelize
+from kimik3.distributed.expert_checkpoint import gather_experts, shard_expert_optimizer_state
 from kimik3.model import K3ForCausalLM
 from kimik3.train import checkpointing as ckpt
 from kimik3.train.balancing import Balancer
@@ -60,8 +61,9 @@ class Trainer:
         self.model = CausalLMLoss(self.lm, t.loss_chunk_tokens)
         if t.precision == "bf16":
             keep_routers_fp32(self.model)
+        self.expert_parallel = t.expert_parallel and self.env.world_size > 1
         parallelize(self.model, activation_checkpointing=t.activation_checkpointing,
-                    data_parallel=self.env.world_size > 1)
+                    data_parallel=self.env.world_size > 1, expert_parallel=self.expert_parallel)
         o = cfg.optim
         self.optim = build_optimizer(self.model, o.name, o.lr, o.weight_decay, tuple(o.betas), o.eps, o.muon_momentum)
         vocab = self.lm.config.vocab_size
@@ -114,8 +116,12 @@ class Trainer:
             ckpt.load_named_optimizer_state(self.model, self.optim.optimizers, state["optimizer"])
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-            set_optimizer_state_dict(self.model, self.optim.optimizers, state["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
+            optim_state = state["optimizer"]
+            if self.expert_parallel:
+                optim_state = shard_expert_optimizer_state(self.model, optim_state)
+            # strict=False: a parameter that never had a gradient (layer 0's attention pseudo-query) has no state
+            set_optimizer_state_dict(self.model, self.optim.optimizers, optim_state,
+                                     options=StateDictOptions(full_state_dict=True, strict=False))
         ckpt.set_rng_state(state["rng"])
         self.step = state["step"]
 
@@ -129,6 +135,11 @@ class Trainer:
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
             full = get_model_state_dict(self.model, options=opts)
             optim_state = get_optimizer_state_dict(self.model, self.optim.optimizers, options=opts)
+            if self.expert_parallel:  # FSDP leaves the sharded experts out: every rank's rows joined here
+                weights, states = gather_experts(self.model, self.optim.optimizers)
+                if self.env.is_main:
+                    full.update(weights)
+                    optim_state["state"].update(states)
             model_to_save = None
             if self.env.is_main:
                 with torch.device("meta"):

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.distributed.env import all_reduce
+from kimik3.distributed.expert_parallel import clip_grad_norm_ as ep_clip_grad_norm_
+from kimik3.distributed.expert_parallel import expert_group_size
 from kimik3.model.moe import Router
 from kimik3.train.balancing import Balancer
 from kimik3.train.data import MicroBatch
@@ -56,7 +58,10 @@ def keep_routers_fp32(model: nn.Module) -> nn.Module:
 
 def _clip(model: nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm (over all ranks' shards); returns the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    limit = max_norm if max_norm > 0 else float("inf")
+    if expert_group_size(model) is not None:  # expert-parallel: each expert's gradient lives on one rank
+        return ep_clip_grad_norm_(model, limit)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
