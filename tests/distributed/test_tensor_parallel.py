@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import socket
 from datetime import timedelta
@@ -16,9 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors import safe_open
 
 from kimik3.config import K3Config, TextConfig
-from kimik3.distributed.tensor_parallel import apply_tensor_parallel, rank_config, shard_for_rank, shard_tensor
+from kimik3.distributed.tensor_parallel import (apply_tensor_parallel, load_tensor_parallel, rank_config,
+                                               shard_for_rank, shard_tensor, tensor_block)
 from kimik3.model import K3ForCausalLM
 from kimik3.model.cache import KDAState
 from tests.conftest import CONFIGS, randomize, rel_err
@@ -199,3 +202,89 @@ def test_tensor_parallel_logits_equal_one_process(world, tmp_path):
         assert rel_err(got["full"], full) < 1e-5, r
         assert rel_err(got["cached"], cached) < 1e-5, r
         assert got["kda_state"] == (3, H // world, K, K) and got["conv"] == (3, 3, H * K // world)
+
+
+def _load_worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) -> None:
+    """Rank `rank` loads only its shards (safetensors reads counted) and runs the same forward."""
+    from kimik3.checkpoint import loader
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    read: dict[str, int] = {}  # checkpoint tensor -> elements read
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self.outer = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f = self.outer.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.outer.__exit__(*exc)
+
+        def get_tensor(self, name):
+            t = self.f.get_tensor(name)
+            read[name] = t.numel()
+            return t
+
+        def get_slice(self, name):
+            f = self.f
+
+            class Slice:
+                def __getitem__(self, index):
+                    t = f.get_slice(name)[index]
+                    read[name] = t.numel()
+                    return t
+
+            return Slice()
+
+    loader.safe_open = Counting
+    try:
+        model = load_tensor_parallel(ckpt, dtype=torch.float32, quiet=True).language_model
+        ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            logits = model(ids)
+        torch.save({"logits": logits, "read": read}, os.path.join(out_dir, f"load{rank}.pt"))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_load_tensor_parallel_reads_only_this_ranks_blocks(world, tmp_path):
+    """Each rank reads the replicated tensors whole and 1/W of every split one (rows, or o_proj / down_proj
+    columns), and the model it builds gives one process's logits."""
+    import kimik3
+    from kimik3.config import K3Config
+
+    d = json.loads((CONFIGS / "tiny.json").read_text())
+    d["text_config"]["linear_attn_config"].update(num_heads=4, head_dim=22)
+    d["text_config"].update(num_attention_heads=4, num_key_value_heads=4)
+    full = kimik3.model.K3ForConditionalGeneration(K3Config.from_hf(d), torch.float32)
+    full.language_model.load_state_dict(_model().state_dict())
+    path = kimik3.save(full, tmp_path / "ckpt", experts="bf16", dtype=torch.float32, quiet=True)
+    mp.start_processes(_load_worker, args=(world, _free_port(), str(path), str(tmp_path)), nprocs=world,
+                       start_method="spawn")
+    ids = torch.randint(0, full.config.text.vocab_size, (2, 37), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = full.language_model(ids)
+    shapes = {}  # checkpoint tensor -> full shape (per-expert names, unlike the stacked state_dict)
+    for shard in path.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    cfg = full.config.text
+
+    def expected(name: str, r: int) -> int:
+        n = math.prod(shapes[name])
+        if tensor_block(name, shapes[name], cfg, r, world) is None:
+            return n
+        return cfg.kda.num_heads // world if name.endswith("A_log") else n // world
+
+    split_total = sum(math.prod(v) for k, v in shapes.items() if tensor_block(k, v, cfg, 0, world) is not None)
+    assert split_total > 0.3 * sum(math.prod(v) for v in shapes.values())  # the check is about most of the model
+    for r in range(world):
+        got = torch.load(tmp_path / f"load{r}.pt")
+        assert rel_err(got["logits"], want) < 1e-5, r
+        assert got["read"] == {name: expected(name, r) for name in shapes}, r

@@ -16,12 +16,13 @@ mapped file pages pile up in the process while a 16 GB shard is read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import Tensor
+from torch import Tensor, nn
 
 from kimik3.checkpoint.folder import Folder, gc_paused, locate, missing_shards_error, scan
 from kimik3.checkpoint.inventory import (compare, expected_specs, mismatch_error, parse_dtype, stored_dtype,
@@ -71,6 +72,26 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
         ValueError: bad arguments; corrupt or truncated shards; not a safetensors file; tensors missing,
             unexpected, or of the wrong shape/dtype for config.json. Nothing is allocated before the checks.
     """
+    return load_sharded(path, dtype=dtype, device=device, text_only=text_only, experts=experts, quiet=quiet,
+                        expert_shard=expert_shard)
+
+
+# this rank's block of a checkpoint tensor, given its name and full shape: index slices, or None for all of it
+SliceOf = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
+
+
+def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+                 text_only: bool | None = None, experts: str = "dequantize", quiet: bool = False,
+                 expert_shard: tuple[int, int] | None = None,
+                 shard_model: Callable[[nn.Module], object] | None = None,
+                 slice_of: SliceOf | None = None) -> K3ForConditionalGeneration:
+    """`load` for parallel loaders (`kimik3.distributed`): the same checks and streaming fill, plus two hooks.
+
+    `shard_model(model)` reshapes the model on the meta device into this rank's shards before anything is
+    allocated; `slice_of(name, shape)` names the block of checkpoint tensor `name` the rank keeps (contiguous
+    index slices; None = all of it), which is read through safetensors' slices: only those bytes are read.
+    Other arguments: as `load`.
+    """
     if experts not in EXPERT_MODES:
         raise ValueError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
     dtype = parse_dtype(dtype)
@@ -94,9 +115,12 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
     if shard is not None:
         slice_experts(model, shard.rank, shard.world)
         entries = [e for e in entries if shard.reads(e.name)]
+    if shard_model is not None:
+        shard_model(model)
     model.to_empty(device=device)
-    _fill(model, folder.path, entries, device, quiet, shard.start if shard is not None else 0)
+    _fill(model, folder.path, entries, device, quiet, shard.start if shard is not None else 0, slice_of)
     return model
+
 
 
 def _meta_model(cfg: K3Config, dtype: torch.dtype, experts: str, with_vision: bool
@@ -146,9 +170,10 @@ def _checked_entries(folder: Folder, cfg: K3Config, with_vision: bool) -> list[T
 
 @torch.no_grad()
 def _fill(model: K3ForConditionalGeneration, root: Path, entries: list[TensorEntry], device: torch.device,
-          quiet: bool, first_expert: int = 0) -> None:
+          quiet: bool, first_expert: int = 0, slice_of: SliceOf | None = None) -> None:
     """Read every entry (file by file, in file order) into the model's state-dict tensors; per-expert
-    tensors of expert e land in row e - first_expert of the stacked (possibly sharded) experts."""
+    tensors of expert e land in row e - first_expert of the stacked (possibly sharded) experts; where
+    `slice_of` names a block, only that block is read."""
     state = model.state_dict()
     written = 0
     # MXFP4 halves waiting for their partner: a writer keeps an expert's packed and scale tensors adjacent,
@@ -163,7 +188,9 @@ def _fill(model: K3ForConditionalGeneration, root: Path, entries: list[TensorEnt
             try:
                 with safe_open(root / file, framework="pt", backend="pread") as f:
                     for e in file_entries:
-                        written += _place(state, e.name, f.get_tensor(e.name).to(device), pending, first_expert)
+                        block = slice_of(e.name, e.shape) if slice_of is not None else None
+                        t = f.get_tensor(e.name) if block is None else f.get_slice(e.name)[block]
+                        written += _place(state, e.name, t.to(device), pending, first_expert)
                         advance(e.nbytes)
             except SafetensorError as err:
                 raise ValueError(f"{root / file}: safetensors could not read it ({err})") from None

@@ -34,12 +34,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import MethodType
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from kimik3.checkpoint.loader import load_sharded
 from kimik3.config import TextConfig
 from kimik3.model.cache import HybridCache
 from kimik3.model.kda import KimiDeltaAttention
@@ -90,28 +92,41 @@ def rank_config(cfg: TextConfig, world_size: int) -> TextConfig:
                    mla=replace(cfg.mla, num_heads=cfg.mla.num_heads // world_size))
 
 
+def _block(name: str, shape: tuple[int, ...], splits: dict[str, int], kda_heads: int, rank: int,
+           world_size: int) -> tuple[slice, ...] | None:
+    """Rank `rank`'s contiguous block of module tensor `name` as index slices; None where it is replicated."""
+    if name == "A_log":  # stored longer than H: split the used A_log[:H], drop the padding tail
+        n = kda_heads // world_size
+        return (slice(rank * n, (rank + 1) * n),)
+    if name not in splits:
+        return None
+    dim, n = splits[name], shape[splits[name]] // world_size
+    return (slice(None),) * dim + (slice(rank * n, (rank + 1) * n),)
+
+
 def _slice(name: str, t: Tensor, splits: dict[str, int], kda_heads: int, rank: int, world_size: int) -> Tensor:
     """Rank `rank`'s block of the module tensor `name` (replicated tensors are returned as they are)."""
-    if name == "A_log":  # stored longer than H: split the used A_log[:H], drop the padding tail
-        return t[:kda_heads].chunk(world_size)[rank].clone()
-    if name not in splits:
-        return t
-    return t.chunk(world_size, splits[name])[rank].clone()  # a copy: the full tensor's storage can be freed
+    block = _block(name, tuple(t.shape), splits, kda_heads, rank, world_size)
+    return t if block is None else t[block].clone()  # a copy: the full tensor's storage can be freed
+
+
+def tensor_block(key: str, shape: tuple[int, ...], cfg: TextConfig, rank: int, world_size: int
+                 ) -> tuple[slice, ...] | None:
+    """The index slices of rank `rank`'s block of one full-model tensor (state_dict / checkpoint key, any
+    prefix such as `language_model.`), or None where the tensor stays replicated. `cfg`: the full text config."""
+    m = _KEY.search(key)
+    if m is None:
+        return None
+    part, name = m.groups()
+    return _block(name, shape, _ATTN_SPLITS if part == "self_attn" else _MLP_SPLITS, cfg.kda.num_heads, rank,
+                  world_size)
 
 
 def shard_tensor(key: str, tensor: Tensor, cfg: TextConfig, rank: int, world_size: int) -> Tensor:
-    """Rank `rank`'s slice of one full-model tensor, named by its state_dict key (with any prefix, e.g.
-    `language_model.`); tensors that stay replicated come back as they are. `cfg` is the full text config.
-
-    For a loader that fills a model sharded on the meta device with `shard_for_rank`: the slices of a full
-    state_dict are exactly the sharded model's state_dict.
-    """
-    m = _KEY.search(key)
-    if m is None:
-        return tensor
-    part, name = m.groups()
-    splits = _ATTN_SPLITS if part == "self_attn" else _MLP_SPLITS
-    return _slice(name, tensor, splits, cfg.kda.num_heads, rank, world_size)
+    """Rank `rank`'s slice of one full-model tensor (`tensor_block` applied); replicated ones come back as they
+    are. The slices of a full state_dict are exactly the state_dict of the model `shard_for_rank` makes."""
+    block = tensor_block(key, tuple(tensor.shape), cfg, rank, world_size)
+    return tensor if block is None else tensor[block].clone()
 
 
 def _rebuild(old: nn.Module, build: Callable[[], nn.Module], splits: dict[str, int], kda_heads: int, rank: int,
@@ -182,17 +197,23 @@ def shard_for_rank(model: nn.Module, rank: int, world_size: int,
     for layer in lm.model.layers:
         layer.self_attn = _shard_attention(layer.self_attn, cfg, rank, world_size)
         if isinstance(layer.ffn, LatentMoE):
-            layer.ffn.shared_experts = mlp = _shard_mlp(layer.ffn.shared_experts, rank, world_size)
+            layer.ffn.shared_experts = _shard_mlp(layer.ffn.shared_experts, rank, world_size)
         else:
-            layer.mlp = mlp = _shard_mlp(layer.mlp, rank, world_size)
-        if reduce is not None:
-            for linear in (layer.self_attn.o_proj, mlp.down_proj):
-                linear.register_forward_hook(_sum_hook(reduce))
+            layer.mlp = _shard_mlp(layer.mlp, rank, world_size)
+    if reduce is not None:
+        _sum_row_parallel_outputs(lm, reduce)
     lm.tensor_parallel = TensorParallel(rank, world_size, cfg)
     # shadows the class method on this instance, so every caller (generate, the wrapper's new_cache) gets the
     # per-rank cache without knowing about tensor parallelism
     lm.new_cache = MethodType(_new_cache, lm)
     return model
+
+
+def _sum_row_parallel_outputs(lm: K3ForCausalLM, reduce: Callable[[Tensor], object]) -> None:
+    for layer in lm.model.layers:
+        mlp = layer.ffn.shared_experts if isinstance(layer.ffn, LatentMoE) else layer.mlp
+        for linear in (layer.self_attn.o_proj, mlp.down_proj):
+            linear.register_forward_hook(_sum_hook(reduce))
 
 
 def _new_cache(lm: K3ForCausalLM, batch_size: int, max_length: int) -> HybridCache:
@@ -209,7 +230,34 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = No
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("apply_tensor_parallel needs an initialized process group (torchrun + init_distributed)")
 
+    return shard_for_rank(model, dist.get_rank(group), dist.get_world_size(group), _all_reduce(group))
+
+
+def _all_reduce(group) -> Callable[[Tensor], None]:
     def reduce(t: Tensor) -> None:
         dist.all_reduce(t, group=group)
 
-    return shard_for_rank(model, dist.get_rank(group), dist.get_world_size(group), reduce)
+    return reduce
+
+
+def load_tensor_parallel(path: str | Path, group: dist.ProcessGroup | None = None, **load_kwargs) -> nn.Module:
+    """`kimik3.load` of this rank's tensor-parallel shards only, ready to run (as `apply_tensor_parallel`).
+
+    The model is sharded on the meta device and every split tensor is read as this rank's block through
+    safetensors' slices (rows, or columns for the row-parallel o_proj / down_proj), so a rank reads the
+    replicated tensors plus 1/W of the split ones. `load_kwargs`: `load`'s (dtype, device, text_only, experts,
+    quiet).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("load_tensor_parallel needs an initialized process group (torchrun + init_distributed)")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    full: list[TextConfig] = []
+
+    def shard_model(model: nn.Module) -> None:
+        full.append(_causal_lm(model).config)
+        shard_for_rank(model, rank, world)
+
+    model = load_sharded(path, shard_model=shard_model,
+                         slice_of=lambda name, shape: tensor_block(name, shape, full[0], rank, world), **load_kwargs)
+    _sum_row_parallel_outputs(_causal_lm(model), _all_reduce(group))
+    return model
