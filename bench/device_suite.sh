@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Several device steps in one call, each under its own time limit with its own log, inside one overall budget.
+#   bash bench/device_suite.sh BUDGET_S STEP[:SECONDS] ...      e.g. 560 tests:200 kda mla:60 layer
+# STEP: tests (pytest -m gpu), diag (bench/diagnose_fast_paths.py), or NAME for bench/bench_NAME.py.
+# Logs (and the benches' JSON) go to $OUT (default ./out/device). A step is stopped with SIGINT, so pytest and
+# the benches print what they have. Triton's autotuning results (*.autotune.json, a few KB) are restored from
+# .whl/tune.tgz when present and saved to $OUT/tune.tgz: copy that to .whl/ to spare the next machine the
+# minutes fla's kernels spend tuning. The fla wheel is installed from .whl/ when torch has no fla.
+set -uo pipefail
+budget=${1:?usage: device_suite.sh BUDGET_S STEP[:SECONDS] ...}
+shift
+out=${OUT:-out/device}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+start=$(date +%s)
+export PYTHONPATH="/tmp/site:$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! python3 -c "import fla" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+[ -f .whl/tune.tgz ] && mkdir -p "$cache" && tar xzf .whl/tune.tgz -C "$cache"
+for spec in "$@"; do
+    name=${spec%%:*}
+    left=$(( budget - ($(date +%s) - start) - 10 ))
+    limit=$left
+    [ "$spec" != "$name" ] && limit=$(( ${spec#*:} < left ? ${spec#*:} : left ))
+    if [ "$limit" -lt 5 ]; then echo "== $name: skipped, no time left" | tee -a "$out/suite.log"; continue; fi
+    case $name in
+        tests) cmd=(python3 -m pytest -m gpu tests -v -rf --durations=10 -p no:cacheprovider) ;;
+        diag) cmd=(python3 bench/diagnose_fast_paths.py) ;;
+        *) cmd=(python3 "bench/bench_$name.py") ;;
+    esac
+    t0=$(date +%s)
+    timeout -s INT -k 10 "$limit" "${cmd[@]}" 2>&1 | tee "$out/$name.log"
+    echo "== $name: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s (limit $limit s)" | tee -a "$out/suite.log"
+done
+(cd "$cache" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$out/tune.tgz" -T -) || true
