@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 
@@ -54,7 +56,8 @@ def model_path(args) -> Path:
 
 
 def load_model_and_tokenizer(args, *, vision: bool = False):
-    """(model in eval mode, tokenizer, path); vision=False loads text only."""
+    """(model in eval mode, tokenizer, path); vision=False loads text only. With `args.parallel` (generate under
+    torchrun) each rank loads its shards; only rank 0 prints."""
     import torch
 
     import kimik3
@@ -65,5 +68,29 @@ def load_model_and_tokenizer(args, *, vision: bool = False):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     tokenizer = Tokenizer.from_file(path)
+    if getattr(args, "parallel", None):
+        return _load_parallel(args, path, dtype, device, vision), tokenizer, path
     model = kimik3.load(path, dtype=dtype, device=device, text_only=not vision).eval()
     return model, tokenizer, path
+
+
+def _load_parallel(args, path: Path, dtype, device: str, vision: bool):
+    """This rank's shards of the model (tp: attention heads and MLP widths; ep: routed experts). Every rank
+    runs the same generation on identical logits, so the sampling seed is made common and rank 0 prints."""
+    import torch
+    import torch.distributed as dist
+
+    from kimik3.distributed import init_distributed, load_expert_parallel, load_tensor_parallel
+
+    env = init_distributed(device)
+    if env.world_size == 1:
+        raise ValueError(f"--parallel {args.parallel} shards the model over several processes: launch with "
+                         "torchrun --nproc_per_node N -m kimik3 generate ...")
+    if args.seed is None:  # one random seed for all ranks: they must draw the same tokens
+        seed = torch.randint(2**31 - 1, (1,), device=env.device)
+        dist.broadcast(seed, 0)
+        args.seed = int(seed.item())
+    if not env.is_main:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    loader = load_tensor_parallel if args.parallel == "tp" else load_expert_parallel
+    return loader(path, dtype=dtype, device=env.device, text_only=not vision, quiet=not env.is_main).eval()

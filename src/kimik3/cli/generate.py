@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-think", action="store_true", help="chat with thinking off")
     p.add_argument("--image", action="append", default=[], help="image file for the prompt (repeatable; implies --chat)")
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    p.add_argument("--parallel", choices=("tp", "ep"), default=None,
+                   help="under torchrun: shard the model over the ranks (tp: attention heads and MLP widths, "
+                        "ep: routed experts); rank 0 prints")
     p.set_defaults(run=run)
 
 
@@ -47,4 +50,8 @@ def run(args) -> int:
     else:
         print()
     sys.stdout.flush()
+    if args.parallel:
+        from kimik3.distributed import shutdown
+
+        shutdown()
     return 0
