@@ -76,12 +76,9 @@ def _seed():
     torch.manual_seed(1234)
 
 
-@pytest.fixture
-def tensors_read(monkeypatch) -> list[str]:
-    """The names of the checkpoint tensors `kimik3.load` reads (its safe_open spied on), in order."""
-    from kimik3.checkpoint import loader
-
-    read, real = [], loader.safe_open
+def spying_safe_open(real, record):
+    """A stand-in for safetensors' `safe_open` that calls `record(name, tensor)` for every tensor read, whole
+    (`get_tensor`) or as a block (`get_slice(name)[...]`)."""
 
     class Spy:
         def __init__(self, *args, **kwargs):
@@ -95,8 +92,29 @@ def tensors_read(monkeypatch) -> list[str]:
             return self.outer.__exit__(*exc)
 
         def get_tensor(self, name):
-            read.append(name)
-            return self.f.get_tensor(name)
+            t = self.f.get_tensor(name)
+            record(name, t)
+            return t
 
-    monkeypatch.setattr(loader, "safe_open", Spy)
+        def get_slice(self, name):
+            whole = self.f.get_slice(name)
+
+            class Block:
+                def __getitem__(self, index):
+                    t = whole[index]
+                    record(name, t)
+                    return t
+
+            return Block()
+
+    return Spy
+
+
+@pytest.fixture
+def tensors_read(monkeypatch) -> list[str]:
+    """The names of the checkpoint tensors `kimik3.load` reads (its safe_open spied on), in order."""
+    from kimik3.checkpoint import loader
+
+    read: list[str] = []
+    monkeypatch.setattr(loader, "safe_open", spying_safe_open(loader.safe_open, lambda name, t: read.append(name)))
     return read

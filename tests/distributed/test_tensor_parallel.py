@@ -24,7 +24,7 @@ from kimik3.distributed.tensor_parallel import (apply_tensor_parallel, load_tens
                                                shard_for_rank, shard_tensor, tensor_block)
 from kimik3.model import K3ForCausalLM
 from kimik3.model.cache import KDAState
-from tests.conftest import CONFIGS, randomize, rel_err
+from tests.conftest import CONFIGS, randomize, rel_err, spying_safe_open
 
 
 def _config(**text) -> TextConfig:
@@ -212,35 +212,7 @@ def _load_worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     read: dict[str, int] = {}  # checkpoint tensor -> elements read
-
-    class Counting:
-        def __init__(self, *args, **kwargs):
-            self.outer = safe_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.f = self.outer.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.outer.__exit__(*exc)
-
-        def get_tensor(self, name):
-            t = self.f.get_tensor(name)
-            read[name] = t.numel()
-            return t
-
-        def get_slice(self, name):
-            f = self.f
-
-            class Slice:
-                def __getitem__(self, index):
-                    t = f.get_slice(name)[index]
-                    read[name] = t.numel()
-                    return t
-
-            return Slice()
-
-    loader.safe_open = Counting
+    loader.safe_open = spying_safe_open(loader.safe_open, lambda name, t: read.__setitem__(name, t.numel()))
     try:
         model = load_tensor_parallel(ckpt, dtype=torch.float32, quiet=True).language_model
         ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(5))

@@ -125,3 +125,20 @@ def test_bad_prompts(model):
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="2 sampling parameter sets for 1 prompts"):
         generate(model, [[1]], [SamplingParams(), SamplingParams()])
+
+
+@torch.no_grad()
+def test_sync_tokens_decides_what_every_step_continues_with(model):
+    """What several processes generating together use: the tokens after `sync_tokens` are the ones reported,
+    fed back, and judged for stopping (here a stand-in for rank 0's broadcast forces token 7, then EOS 3)."""
+    seen = []
+
+    def rank0(tokens):
+        seen.append(tokens.clone())
+        tokens.fill_(3 if len(seen) == 4 else 7)
+
+    events = list(stream(model, [[5, 17], [9]], SamplingParams(temperature=1.0, seed=1, max_new_tokens=8),
+                         eos_token_ids=[3], sync_tokens=rank0))
+    assert [[e.token_id for e in step] for step in events] == [[7, 7]] * 3 + [[3, 3]]
+    assert events[-1][0].finish_reason == "stop" and len(seen) == 4
+    assert all(t.dtype == torch.int64 and t.shape == (2,) for t in seen)

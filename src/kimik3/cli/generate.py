@@ -35,8 +35,13 @@ def run(args) -> int:
     else:
         ids, images, printer = tok.encode(args.prompt), {}, None
     out = []
+    sync = None
+    if args.parallel:  # every rank continues with rank 0's tokens (their logits agree; this makes it certain)
+        import torch.distributed as dist
+
+        sync = lambda tokens: dist.broadcast(tokens, 0)  # noqa: E731
     for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=[tok.eos_id],
-                         max_context=args.max_context, **images):
+                         max_context=args.max_context, sync_tokens=sync, **images):
         event = events[0]
         if printer is not None:
             printer.feed(event.token_id, show=args.stream)

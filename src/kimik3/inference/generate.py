@@ -7,7 +7,7 @@ Finished sequences keep decoding in the static batch, but their outputs are drop
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,7 +98,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
            *, tokenizer: Detokenizer | None = None, eos_token_ids: Sequence[int] = (),
            max_context: int | None = None, cuda_graph: bool = False, pixel_values: Tensor | None = None,
-           grid_thws: Tensor | None = None) -> Iterator[list[TokenEvent]]:
+           grid_thws: Tensor | None = None, sync_tokens: Callable[[Tensor], object] | None = None
+           ) -> Iterator[list[TokenEvent]]:
     """Generate for a batch of token-id prompts, yielding each step's new tokens as they come.
 
     Args:
@@ -113,6 +114,9 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
             (BATCH_BUCKETS) with dummy rows whose outputs are dropped.
         pixel_values, grid_thws: the prompts' images (`kimik3.vision.process_images`), in prompt order; each
             prompt carries one <|media_pad|> per image token (`kimik3.vision.expand_media_pads`).
+        sync_tokens: called in place on each step's sampled tokens [B] (int64, on the model's device) before
+            they are used; several processes generating together (tensor / expert parallel) pass a broadcast
+            from rank 0, so every rank continues with the same tokens and stops at the same step.
 
     Yields:
         per step, one TokenEvent per still-running sequence.
@@ -152,6 +156,8 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     decode = GraphedDecoder(model, cache) if cuda_graph else (lambda t: model(t[:, None], cache=cache)[:, -1])
     for _ in range(steps):
         tokens = sampler.sample(logits)
+        if sync_tokens is not None:
+            sync_tokens(tokens)
         events = []
         for i, token in enumerate(tokens.tolist()[:real]):
             row = rows[i]
