@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from kimik3.cli.common import add_model_args, add_sampling_args, load_model_and_tokenizer, sampling_params
@@ -15,7 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in K3's chat format")
     p.add_argument("--no-think", action="store_true", help="chat with thinking off")
     p.add_argument("--image", action="append", default=[], help="image file for the prompt (repeatable; implies --chat)")
-    p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print tokens as they come (default: when the output is a terminal)")
     p.add_argument("--parallel", choices=("tp", "ep"), default=None,
                    help="under torchrun: shard the model over the ranks (tp: attention heads and MLP widths, "
                         "ep: routed experts); rank 0 prints")
@@ -28,12 +30,16 @@ def run(args) -> int:
 
     model, tok, _ = load_model_and_tokenizer(args, vision=bool(args.image))
     params = sampling_params(args)
+    if args.stream is None:
+        args.stream = sys.stdout.isatty()
     chat = args.chat or bool(args.image)
     if chat:
         ids, images = user_turn(model, tok, [], args.prompt, args.image, thinking=not args.no_think)
         printer = ChatPrinter(tok, thinking=not args.no_think)
     else:
         ids, images, printer = tok.encode(args.prompt), {}, None
+        if args.stream:  # a continuation reads on from its prompt
+            print(args.prompt, end="", flush=True)
     out = []
     sync = None
     if args.parallel:  # every rank continues with rank 0's tokens (their logits agree; this makes it certain)
