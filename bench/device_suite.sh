@@ -25,8 +25,10 @@ for spec in "$@"; do
     [ "$spec" != "$name" ] && limit=$(( ${spec#*:} < left ? ${spec#*:} : left ))
     if [ "$limit" -lt 5 ]; then echo "== $name: skipped, no time left" | tee -a "$out/suite.log"; continue; fi
     case $name in
-        tests) cmd=(python3 -m pytest -m gpu tests -v -rf --durations=10 -p no:cacheprovider) ;;
-        diag) cmd=(python3 bench/diagnose_fast_paths.py) ;;
+        # correctness steps take each Triton autotuner's first config (tests/conftest.py): no tuning minutes
+        tests) cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 -m pytest -m gpu tests -v -rf --durations=10
+                    -p no:cacheprovider) ;;
+        diag) cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 bench/diagnose_fast_paths.py) ;;
         *) cmd=(python3 "bench/bench_$name.py") ;;
     esac
     t0=$(date +%s)
