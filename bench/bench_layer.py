@@ -1,19 +1,20 @@
 """One real-dims K3 layer (hidden 7168, 96 heads, 896 MXFP4 experts top-16), KDA+MoE and MLA+MoE:
 decode at batch 1, 8, 64 (CUDA graph, 4096 cached tokens) against the bytes roofline, and prefill of 8192
-tokens against the bf16 matmul rate on the matmul FLOPs."""
+tokens against the bf16 matmul rate on the matmul FLOPs.
+
+    PYTHONPATH=src:. python3 bench/bench_layer.py            # device: table + $OUT/bench_layer.json
+    PYTHONPATH=src:. python3 bench/bench_layer.py --smoke    # CPU check of this script at toy sizes
+"""
 
 from __future__ import annotations
 
 import torch
 
 from bench.build import dense_bytes, expert_bytes, linear_flops, materialize
-from bench.common import ceilings, environment, graphed, median_ms, table, write_json
+from bench.common import DEVICE, ceilings, environment, graphed, median_ms, smoke_config, table, write_json
 from kimik3.model.cache import HybridCache
 from kimik3.model.decoder import DecoderLayer
 from kimik3.presets import load_config
-
-CONTEXT = 4096
-
 
 def routed_experts_touched(layer, x) -> int:
     """Distinct experts the router picks for x (the experts a decode step must stream)."""
@@ -23,8 +24,11 @@ def routed_experts_touched(layer, x) -> int:
 
 
 @torch.no_grad()
-def main():
-    cfg = load_config("slice-layers").text
+def main(smoke: bool = False):
+    cfg = (smoke_config if smoke else load_config)("slice-layers").text
+    context, prefill = (64, 128) if smoke else (4096, 8192)
+    H, K = cfg.kda.num_heads, cfg.kda.head_dim
+    latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
     ceil = ceilings()
     env, results, rows = environment(), {}, []
     for idx, kind in ((0, "KDA+MoE"), (1, "MLA+MoE")):
@@ -32,38 +36,41 @@ def main():
             layer = DecoderLayer(cfg, idx, torch.bfloat16)
         layer = materialize(layer, seed=idx).eval()
         D, A = cfg.hidden_size, cfg.moe.num_experts_per_token
-        blocks = torch.randn(4, 64, 1, D, device="cuda", dtype=torch.bfloat16)
+        blocks = torch.randn(4, 64, 1, D, device=DEVICE, dtype=torch.bfloat16)
         for B in (1, 8, 64):
-            cache = HybridCache(cfg, B, CONTEXT + 1, torch.bfloat16, "cuda")
+            cache = HybridCache(cfg, B, context + 1, torch.bfloat16, DEVICE)
             for entry in cache.layers:
                 for t in vars(entry).values():
                     t.normal_()
-            cache.valid[:, :CONTEXT] = True
-            cache.length = CONTEXT
-            step = cache.make_step(torch.tensor([CONTEXT], device="cuda"), None, span=CONTEXT + 1)
-            x = torch.randn(B, 1, D, device="cuda", dtype=torch.bfloat16)
+            cache.valid[:, :context] = True
+            cache.length = context
+            step = cache.make_step(torch.tensor([context], device=DEVICE), None, span=context + 1)
+            x = torch.randn(B, 1, D, device=DEVICE, dtype=torch.bfloat16)
             run = graphed(lambda: layer(x, blocks[:, :B], None, cache.layers[idx], step))
             ms = median_ms(run, 5, 50)
-            state = (2 * B * 96 * 128 * 128 * 4 if kind == "KDA+MoE" else 2 * B * (CONTEXT + 1) * 576 * 2)
+            # the state read and written: KDA's fp32 [H, K, K] per row, or MLA's bf16 latent row per cached token
+            state = 2 * B * H * K * K * 4 if kind == "KDA+MoE" else 2 * B * (context + 1) * latent * 2
             touched = routed_experts_touched(layer, x)
             nbytes = dense_bytes(layer) + touched * expert_bytes(layer) + state + 4 * 2 * B * D * 5
             roof = nbytes / ceil["copy_bytes_per_s"] * 1e3
             results[f"{kind} decode B={B}"] = {"ms": ms, "bytes": nbytes, "roofline_ms": roof, "experts": touched}
             rows.append([kind, f"decode B={B}", f"{ms:.3f}", f"{roof:.3f}", f"{ms / roof:.2f}x", f"{nbytes / 1e9:.2f} GB"])
-        T = 8192
-        x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16)
-        blocks1 = torch.randn(4, 1, T, D, device="cuda", dtype=torch.bfloat16)
+        T = prefill
+        x = torch.randn(1, T, D, device=DEVICE, dtype=torch.bfloat16)
+        blocks1 = torch.randn(4, 1, T, D, device=DEVICE, dtype=torch.bfloat16)
         ms = median_ms(lambda: layer(x, blocks1), 2, 10)
         flops = linear_flops(layer, T, A)
         if kind == "MLA+MoE":
-            flops += 2 * 96 * T * T * (192 + 128) // 2  # causal attention: QK^T and PV, half the square
+            qk, v = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
+            flops += 2 * cfg.mla.num_heads * T * T * (qk + v) // 2  # causal attention: QK^T and PV, half the square
         rate = flops / (ms * 1e-3)
         frac = rate / ceil["bf16_flops_per_s"]
         results[f"{kind} prefill T={T}"] = {"ms": ms, "flops": flops, "tflops": rate / 1e12, "fraction": frac}
         rows.append([kind, f"prefill T={T}", f"{ms:.2f}", f"{flops / ceil['bf16_flops_per_s'] * 1e3:.2f}",
                      f"{frac * 100:.0f}% of mm rate", f"{rate / 1e12:.0f} TFLOP/s"])
         layer = None  # free the layer's weights before building the next
-        torch.cuda.empty_cache()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
     table(f"one real-dims layer (copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 mm {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s)",
           ["layer", "case", "ms", "roofline ms", "ratio", "bytes/rate"], rows)
@@ -71,4 +78,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(smoke="--smoke" in sys.argv[1:])

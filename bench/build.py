@@ -9,19 +9,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bench.common import DEVICE
 from kimik3.model.moe import MXFP4Experts, pack_experts
 
 
 @torch.no_grad()
 def materialize(module: nn.Module, seed: int = 0) -> nn.Module:
-    """meta -> cuda with random values: matrices N(0, 0.02), norms 1, KDA islands in their usual ranges."""
+    """meta -> DEVICE with random values: matrices N(0, 0.02), norms 1, KDA islands in their usual ranges."""
     pack_experts(module)
-    module.to_empty(device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    module.to_empty(device=DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if t.dtype == torch.uint8:
             lo, hi = (0, 256) if name.endswith("_packed") else (118, 122)
-            t.copy_(torch.randint(lo, hi, t.shape, generator=g, device="cuda", dtype=torch.int32))
+            t.copy_(torch.randint(lo, hi, t.shape, generator=g, device=DEVICE, dtype=torch.int32))
         elif name.endswith("norm.weight"):
             t.fill_(1.0)
         elif name.endswith("A_log"):

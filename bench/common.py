@@ -9,13 +9,39 @@ import datetime
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
 
+from kimik3.config import K3Config
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def smoke_config(name: str) -> K3Config:
+    """`configs/NAME.json` at toy sizes, same layer pattern and features (for `--smoke` runs on the CPU)."""
+    d = json.loads((CONFIGS / f"{name}.json").read_text())
+    t = d["text_config"]
+    t["linear_attn_config"].update(num_heads=2, head_dim=32)
+    t.update(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32,
+             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, num_experts=8,
+             num_experts_per_token=2, routed_expert_hidden_size=32, moe_intermediate_size=64, vocab_size=1024,
+             bos_token_id=768, eos_token_id=770, pad_token_id=1023)
+    d.update(bos_token_id=768, eos_token_id=770, pad_token_id=1023)
+    return K3Config.from_hf(d)
+
 
 def median_ms(fn, warmup: int = 10, rep: int = 50) -> float:
-    """Median wall time of fn() in milliseconds, timed with CUDA events around each call."""
+    """Median wall time of fn() in milliseconds, timed with CUDA events around each call (CPU: perf_counter)."""
+    if DEVICE.type != "cuda":
+        times = []
+        for _ in range(max(rep // 10, 1)):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -32,6 +58,8 @@ def median_ms(fn, warmup: int = 10, rep: int = 50) -> float:
 
 def graphed(fn):
     """Capture fn() (static shapes, no host syncs) in a CUDA graph; returns replay (for decode timing)."""
+    if DEVICE.type != "cuda":
+        return fn
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -46,26 +74,26 @@ def graphed(fn):
 
 def ceilings() -> dict:
     """Measured device-to-device copy bandwidth (bytes read + written per second) and bf16 matmul rate."""
-    x = torch.empty(2**31 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    n, m = (2**31, 8192) if DEVICE.type == "cuda" else (2**22, 256)
+    x = torch.empty(n // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
     y = torch.empty_like(x)
     copy_ms = median_ms(lambda: y.copy_(x), 3, 20)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
     mm_ms = median_ms(lambda: a @ b, 3, 20)
-    return {"copy_bytes_per_s": 2 * 2**31 / (copy_ms * 1e-3), "bf16_flops_per_s": 2 * 8192**3 / (mm_ms * 1e-3)}
+    return {"copy_bytes_per_s": 2 * n / (copy_ms * 1e-3), "bf16_flops_per_s": 2 * m**3 / (mm_ms * 1e-3)}
 
 
 def environment() -> dict:
-    import triton
-
-    try:
-        import fla
-
-        fla_version = getattr(fla, "__version__", "0.6.0")
-    except ImportError:
-        fla_version = None
-    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "fla": fla_version, "python": platform.python_version()}
+    versions = {}
+    for name in ("triton", "fla"):
+        try:
+            versions[name] = getattr(__import__(name), "__version__", None)
+        except ImportError:
+            versions[name] = None
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (CPU smoke run)"
+    return {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__, **versions,
+            "python": platform.python_version()}
 
 
 def table(title: str, headers: list[str], rows: list[list]) -> str:

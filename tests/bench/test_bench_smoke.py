@@ -1,0 +1,23 @@
+"""The device benchmarks' scripts run end to end at toy sizes on the CPU (`--smoke`): a check of their logic
+(shapes, caches, roofline arithmetic, JSON), so device time is not spent finding a typo. The numbers mean nothing."""
+
+import json
+
+import pytest
+
+from bench import bench_layer, bench_slice
+
+
+@pytest.mark.parametrize("bench, name, keys", [
+    (bench_layer, "bench_layer", {"KDA+MoE decode B=1", "KDA+MoE decode B=64", "KDA+MoE prefill T=128",
+                                  "MLA+MoE decode B=8", "MLA+MoE prefill T=128"}),
+    (bench_slice, "bench_slice", {"prefill T=128 ours", "prefill T=64 reference", "decode B=1", "decode B=64"}),
+])
+def test_smoke_run_writes_its_results(bench, name, keys, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    bench.main(smoke=True)
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert keys <= set(data["results"]) and data["env"]["gpu"].startswith("none")
+    for value in data["results"].values():
+        numbers = value.values() if isinstance(value, dict) else [value]
+        assert all(v > 0 for v in numbers)
