@@ -1,10 +1,13 @@
-"""MLA decode: absorbed attention over the 576-wide latent cache vs expanding per-head K/V (K3 shapes)."""
+"""MLA decode: absorbed attention over the 576-wide latent cache vs expanding per-head K/V (K3 shapes).
+
+    PYTHONPATH=src:. python3 bench/bench_mla.py [--smoke]    # --smoke: CPU check, short caches
+"""
 
 from __future__ import annotations
 
 import torch
 
-from bench.common import environment, median_ms, table, write_json
+from bench.common import DEVICE, environment, median_ms, table, write_json
 from kimik3.ops.mla import mla_latent_attention
 
 H, N, R, V, C = 96, 128, 64, 128, 512
@@ -19,13 +22,13 @@ def expanded_decode(q, latent, w, scale):
                                                             kv[..., N:].transpose(1, 2), scale=scale).transpose(1, 2)
 
 
-def main():
+def main(smoke: bool = False):
     rows, results = [], {}
-    w = torch.randn(H * (N + V), C, device="cuda", dtype=torch.bfloat16) / C**0.5
-    for B, S in ((1, 8192), (8, 8192), (64, 8192), (1, 65536)):
-        q = torch.randn(B, 1, H, N + R, device="cuda", dtype=torch.bfloat16)
-        latent = torch.randn(B, S, C + R, device="cuda", dtype=torch.bfloat16)
-        mask = torch.ones(B, 1, S, dtype=torch.bool, device="cuda")
+    w = torch.randn(H * (N + V), C, device=DEVICE, dtype=torch.bfloat16) / C**0.5
+    for B, S in ((1, 64), (4, 64)) if smoke else ((1, 8192), (8, 8192), (64, 8192), (1, 65536)):
+        q = torch.randn(B, 1, H, N + R, device=DEVICE, dtype=torch.bfloat16)
+        latent = torch.randn(B, S, C + R, device=DEVICE, dtype=torch.bfloat16)
+        mask = torch.ones(B, 1, S, dtype=torch.bool, device=DEVICE)
         a = mla_latent_attention(q, latent, w, qk_nope_head_dim=N, scale=(N + R) ** -0.5, mask=mask)
         b = expanded_decode(q, latent, w, (N + R) ** -0.5)
         err = ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -41,4 +44,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(smoke="--smoke" in sys.argv[1:])

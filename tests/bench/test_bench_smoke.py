@@ -5,13 +5,14 @@ import json
 
 import pytest
 
-from bench import bench_layer, bench_slice
+from bench import bench_layer, bench_mla, bench_slice
 
 
 @pytest.mark.parametrize("bench, name, keys", [
     (bench_layer, "bench_layer", {"KDA+MoE decode B=1", "KDA+MoE decode B=64", "KDA+MoE prefill T=128",
                                   "MLA+MoE decode B=8", "MLA+MoE prefill T=128"}),
     (bench_slice, "bench_slice", {"prefill T=128 ours", "prefill T=64 reference", "decode B=1", "decode B=64"}),
+    (bench_mla, "bench_mla", {"B=1 S=64", "B=4 S=64"}),
 ])
 def test_smoke_run_writes_its_results(bench, name, keys, tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
@@ -21,3 +22,5 @@ def test_smoke_run_writes_its_results(bench, name, keys, tmp_path, monkeypatch):
     for value in data["results"].values():
         numbers = value.values() if isinstance(value, dict) else [value]
         assert all(v > 0 for v in numbers)
+        if isinstance(value, dict) and "rel_err" in value:  # MLA: the absorbed form computes the expanded one
+            assert value["rel_err"] < 2e-2
