@@ -24,3 +24,26 @@ def test_smoke_run_writes_its_results(bench, name, keys, tmp_path, monkeypatch):
         assert all(v > 0 for v in numbers)
         if isinstance(value, dict) and "rel_err" in value:  # MLA: the absorbed form computes the expanded one
             assert value["rel_err"] < 2e-2
+
+
+def test_ep_serving_smoke_on_two_gloo_ranks(tmp_path):
+    """bench_ep_serve.py under torchrun (2 CPU ranks, each holding half of the experts) writes its table's JSON."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           "bench/bench_ep_serve.py", "--smoke"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_ep_serve.json").read_text())
+    assert data["env"]["ranks"] == 2
+    assert {"prefill T=32 per rank", "decode B=1 per rank", "decode B=64 per rank"} <= set(data["results"])
+    assert all(r["ms_per_step"] > 0 and r["weight_bytes"] > 0 for k, r in data["results"].items() if "decode" in k)
