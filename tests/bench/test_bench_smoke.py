@@ -2,10 +2,15 @@
 (shapes, caches, roofline arithmetic, JSON), so device time is not spent finding a typo. The numbers mean nothing."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from bench import bench_layer, bench_mla, bench_slice
+from tests.conftest import REPO
 
 
 @pytest.mark.parametrize("bench, name, keys", [
@@ -26,24 +31,27 @@ def test_smoke_run_writes_its_results(bench, name, keys, tmp_path, monkeypatch):
             assert value["rel_err"] < 2e-2
 
 
-def test_ep_serving_smoke_on_two_gloo_ranks(tmp_path):
-    """bench_ep_serve.py under torchrun (2 CPU ranks, each holding half of the experts) writes its table's JSON."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
-
+def _torchrun(script: list[str], out) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           "bench/bench_ep_serve.py", "--smoke"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *script]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_ep_serving_smoke_on_two_gloo_ranks(tmp_path):
+    """bench_ep_serve.py under torchrun (2 CPU ranks, each holding half of the experts) writes its table's JSON."""
+    _torchrun(["bench/bench_ep_serve.py", "--smoke"], tmp_path)
     data = json.loads((tmp_path / "bench_ep_serve.json").read_text())
     assert data["env"]["ranks"] == 2
     assert {"prefill T=32 per rank", "decode B=1 per rank", "decode B=64 per rank"} <= set(data["results"])
     assert all(r["ms_per_step"] > 0 and r["weight_bytes"] > 0 for k, r in data["results"].items() if "decode" in k)
+
+
+def test_parallel_checks_pass_on_two_gloo_ranks(tmp_path):
+    """check_parallel.py, the multi-GPU session's equivalence run, passes on CPU ranks (it exits 1 on a miss)."""
+    _torchrun(["bench/check_parallel.py"], tmp_path)
+    data = json.loads((tmp_path / "check_parallel.json").read_text())
+    assert data["ok"] and data["env"]["backend"] == "gloo" and len(data["results"]) == 4
