@@ -1,9 +1,11 @@
 # The README's two commands: `make demo` (set up, run the main job) and `make test` (set up, run the tests).
 # The CPU machines here carry a local torch 2.13.0 CPU wheel; installing it first keeps pip from ever
-# resolving `torch>=2.11` to a multi-GB CUDA build. Override TORCH on other machines.
+# resolving `torch>=2.11` to a multi-GB CUDA build. Override TORCH on other machines. Triton needs no GPU: the
+# fused kernels' tests run under its CPU interpreter (they skip where it cannot be installed).
 PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+TRITON ?= triton==3.6.0
 BIN := $(VENV)/bin
 
 .PHONY: setup demo test test-all demo-data clean
@@ -14,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q $(TRITON) || echo "$(TRITON) not installable here: the Triton-interpreter tests will skip"
 	touch $@
 
 demo: setup
