@@ -55,3 +55,17 @@ def test_parallel_checks_pass_on_two_gloo_ranks(tmp_path):
     _torchrun(["bench/check_parallel.py"], tmp_path)
     data = json.loads((tmp_path / "check_parallel.json").read_text())
     assert data["ok"] and data["env"]["backend"] == "gloo" and len(data["results"]) == 4
+
+
+def test_training_step_bench_smoke(tmp_path, monkeypatch):
+    """bench_train.py --smoke: the tiny model through the same phases (fwd+bwd, fast-vs-reference check,
+    optimizer), both precisions, on the CPU."""
+    from bench import bench_train
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--smoke"])
+    bench_train.main()
+    data = json.loads((tmp_path / "bench_train_smoke.json").read_text())
+    assert set(data["modes"]) == {"bf16", "fp32-master"} and all(m["check"]["ok"] for m in data["modes"].values())
+    h = data["headline"]
+    assert h["ms"] > h["fwd_bwd_ms"] > 0 and h["tokens_per_s"] > 0 and h["adamw_ms"] > 0

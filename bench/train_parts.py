@@ -1,0 +1,294 @@
+"""The pieces of `bench_train.py`: FLOP counting, device timing helpers, the model set-up, forward+backward,
+the fast-vs-reference check and the optimizer-phase timing (see bench_train.py for what a step is)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import platform
+import time
+
+import torch
+from torch import nn
+
+from bench.common import environment, median_ms
+from kimik3.distributed.parallelize import apply_activation_checkpointing, decoder_layers
+from kimik3.model import K3ForCausalLM
+from kimik3.model.kda import KimiDeltaAttention
+from kimik3.model.mla import MultiHeadLatentAttention
+from kimik3.model.moe import LatentMoE
+from kimik3.ops.backend import use_backend
+from kimik3.train.balancing import Balancer
+from kimik3.train.loss import CausalLMLoss
+from kimik3.train.optim import Optimizers, param_groups
+from kimik3.train.step import autocast, keep_routers_fp32
+
+CHECK_TOL = 2e-2  # fast path vs use_backend("torch"): relative difference of the loss and of gradient norms
+PROBES = ("lm_head.weight", "embed_tokens.weight", "self_attn.q_proj.weight", "self_attn.A_log",
+          "self_attn.q_b_proj.weight", "mlp.down_proj.weight", "gate.weight", "experts.w1", "experts.w2",
+          "shared_experts.up_proj.weight", "mlp_res_proj.weight")
+PRECISIONS = {"bf16": torch.bfloat16, "fp32-master": torch.float32}
+GiB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------- counting
+
+
+def matmul_flops(lm: nn.Module, T: int) -> dict[str, float]:
+    """Forward matmul FLOPs of one T-token row by component (see the module docstring); `kda` is not counted."""
+    out = dict(linear=0.0, lm_head=0.0, router=0.0, experts=0.0, mla_attention=0.0, kda=0.0)
+    for m in lm.modules():
+        if isinstance(m, nn.Linear):
+            out["lm_head" if m is lm.lm_head else "linear"] += 2 * T * m.in_features * m.out_features
+        elif isinstance(m, LatentMoE):
+            E, F, L = m.experts.w1.shape
+            out["router"] += 2 * T * m.gate.weight.shape[1] * E
+            out["experts"] += 2 * T * m.gate.top_k * 3 * F * L
+        elif isinstance(m, MultiHeadLatentAttention):
+            c = m.cfg
+            out["mla_attention"] += 2 * c.num_heads * (c.qk_head_dim + c.v_head_dim) * T * T / 2
+        elif isinstance(m, KimiDeltaAttention):  # recurrent form: S^T k, k u^T, S^T q per token (metrics.py)
+            out["kda"] += 6 * m.num_heads * m.head_dim * m.head_dim * T
+    return out
+
+
+def short(name: str) -> str:
+    return name.removeprefix("model.").removesuffix(".weight")
+
+
+def counted(flops: dict[str, float]) -> float:
+    """Forward + backward matmul FLOPs of the headline count (KDA left out)."""
+    return 3 * sum(v for k, v in flops.items() if k != "kda")
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, warmup: int, rep: int, device: torch.device) -> float:
+    """Median milliseconds of fn(): CUDA events on the GPU (bench.common.median_ms), perf_counter on the CPU."""
+    if device.type == "cuda":
+        return median_ms(fn, warmup, rep)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def time_once(fn, device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def cpu_ceilings() -> dict:
+    """The CPU's bf16 matmul rate (1024^3), for --smoke's 'fraction of the matmul rate'."""
+    a, b = torch.randn(1024, 1024, dtype=torch.bfloat16), torch.randn(1024, 1024, dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, 2, 5, torch.device("cpu"))
+    return {"copy_bytes_per_s": None, "bf16_flops_per_s": 2 * 1024**3 / (ms * 1e-3)}
+
+
+def describe(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return environment()
+    return {"date": datetime.date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def attempt(fn, device: torch.device):
+    """(fn(), None), or (None, "out of memory ...") when the GPU runs out; memory is released either way."""
+    try:
+        return fn(), None
+    except torch.OutOfMemoryError as exc:
+        msg = str(exc).split("\n")[0][:160]
+    free(device)
+    return None, f"out of memory: {msg}"
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+@dataclasses.dataclass
+class Setup:
+    lm: K3ForCausalLM
+    model: CausalLMLoss
+    balancer: Balancer
+
+
+def build(cfg, precision: str, device: torch.device, loss_chunk: int, seed: int = 0) -> Setup:
+    """The trainer's objects around a fresh model: meta build, allocated on `device`, training init."""
+    with torch.device("meta"):
+        lm = K3ForCausalLM(cfg, PRECISIONS[precision])
+    lm.to_empty(device=device)
+    lm.init_weights(seed)
+    model = keep_routers_fp32(CausalLMLoss(lm, loss_chunk))
+    return Setup(lm, model, Balancer(lm, "qb"))
+
+
+def release(s: Setup | None, device: torch.device) -> None:
+    if s is not None:
+        s.balancer.remove()
+        s.model.zero_grad(set_to_none=True)
+    free(device)
+
+
+def set_checkpointing(model: nn.Module, on: bool) -> None:
+    """Activation checkpointing of every decoder layer on or off (it lives on the instances' `forward`)."""
+    if on:
+        apply_activation_checkpointing(model)
+        return
+    for layer in decoder_layers(model):
+        if getattr(layer, "_kimik3_checkpointed", False):
+            del layer.forward  # the class's forward again
+            del layer._kimik3_checkpointed
+
+
+def make_batch(vocab: int, T: int, device: torch.device, packed: bool, seed: int = 0):
+    """(input_ids [1, T], labels [1, T], cu_seqlens [0, T] or None): one random document, next-token labels."""
+    row = torch.randint(0, vocab, (1, T + 1), generator=torch.Generator().manual_seed(seed))
+    cu = torch.tensor([0, T], dtype=torch.int64, device=device) if packed else None
+    return row[:, :-1].to(device), row[:, 1:].contiguous().to(device), cu
+
+
+def fwd_bwd(s: Setup, batch, device: torch.device) -> torch.Tensor:
+    """One micro-batch as train_step runs it: fresh gradients, forward under collecting() + autocast, backward."""
+    ids, labels, cu = batch
+    s.model.zero_grad(set_to_none=True)
+    with s.balancer.collecting(), autocast(device, "bf16"):
+        loss = s.model(ids, labels, cu)
+    (loss / labels.numel()).backward()
+    return loss.detach()
+
+
+# ---------------------------------------------------------------------------------------------- phases
+
+
+def correctness(s: Setup, T: int, device: torch.device) -> dict:
+    """Loss and probe-gradient norms of one T-token step on the fast path vs `use_backend("torch")`."""
+    names = {}
+    for suffix in PROBES:
+        hit = next((n for n, p in s.lm.named_parameters() if n.endswith(suffix)), None)
+        if hit is not None:
+            names[suffix] = hit
+    params = dict(s.lm.named_parameters())
+    batch = make_batch(s.lm.config.vocab_size, T, device, packed=True, seed=1)
+    runs = {}
+    for backend in ("auto", "torch"):
+        with use_backend(backend):
+            loss = float(fwd_bwd(s, batch, device)) / T
+        runs[backend] = {"loss": loss, "grads": {k: params[n].grad.detach().clone() for k, n in names.items()}}
+    s.model.zero_grad(set_to_none=True)
+    s.balancer.step()  # drop the statistics of these two forwards
+    fast, ref = runs["auto"], runs["torch"]
+    rows = {"loss": {"fast": fast["loss"], "reference": ref["loss"],
+                     "rel": abs(fast["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)}}
+    for k, n in names.items():
+        a, b = fast["grads"][k], ref["grads"][k]  # kept in the gradients' dtype: the probes are GBs at K3 size
+        na, nb = float(a.float().norm()), float(b.float().norm())
+        rows[n] = {"fast": na, "reference": nb, "rel": abs(na - nb) / max(nb, 1e-30),
+                   "rel_vector": float((a.float() - b.float()).norm()) / max(nb, 1e-30)}  # reported, not asserted
+        del fast["grads"][k], ref["grads"][k]
+    ok = all(r["rel"] < CHECK_TOL for r in rows.values())
+    return {"tokens": T, "tolerance": CHECK_TOL, "ok": ok, "rows": rows}
+
+
+def time_fwd_bwd(s: Setup, T: int, packed: bool, ac: bool, device: torch.device, warmup: int, rep: int) -> dict:
+    set_checkpointing(s.model, ac)
+    batch = make_batch(s.lm.config.vocab_size, T, device, packed)
+    reset_peak(device)
+    ms, err = attempt(lambda: time_ms(lambda: fwd_bwd(s, batch, device), warmup, rep, device), device)
+    out = {"packed": packed, "checkpointing": ac, "ms": ms, "peak_gib": peak_gib(device)}
+    if err:
+        s.model.zero_grad(set_to_none=True)
+        free(device)
+        out["error"] = err
+    return out
+
+
+def _split(items: list, parts: int) -> list[list]:
+    """Consecutive runs of about equal element counts."""
+    total = sum(p.numel() for p, _ in items)
+    out, run, acc = [], [], 0
+    for p, wd in items:
+        run.append((p, wd))
+        acc += p.numel()
+        if acc >= total * (len(out) + 1) / parts and len(out) < parts - 1:
+            out.append(run)
+            run = []
+    return [r for r in out + [run] if r]
+
+
+def adamw_ms(s: Setup, fused: bool, parts: int, device: torch.device, warmup: int, rep: int) -> float:
+    """One AdamW step over every parameter with a gradient, grouped as build_optimizer does (decay 0.1 on
+    matrices, none on norms / KDA islands / AttnRes queries). fused=False is torch's default, the one
+    build_optimizer gets (foreach on CUDA). parts > 1: one optimizer per slice of the parameters at a time
+    (its states freed before the next), summed: for when all states do not fit at once."""
+    groups = param_groups(s.model, use_muon=False)
+    items = [(p, 0.1) for _, p in groups["decay"]] + [(p, 0.0) for _, p in groups["plain"]]
+    items = [(p, wd) for p, wd in items if p.grad is not None]
+    total = 0.0
+    for part in _split(items, parts):
+        spec = [{"params": [p for p, w in part if w == wd], "weight_decay": wd} for wd in (0.1, 0.0)]
+        kw = {"fused": True} if fused else {}
+        opt = Optimizers([torch.optim.AdamW([g for g in spec if g["params"]], lr=3e-4, betas=(0.9, 0.95),
+                                            eps=1e-8, **kw)])
+        try:
+            total += time_ms(opt.step, warmup, rep, device)
+        finally:
+            opt.optimizers.clear()
+            del opt
+            free(device)
+    return total
+
+
+def time_optimizer(s: Setup, T: int, device: torch.device, warmup: int, rep: int, kinds=("fused", "foreach")) -> dict:
+    """clip + AdamW (each kind; whole, else in 4 parts) + QB update, on the gradients of one fwd+bwd."""
+    set_checkpointing(s.model, True)  # the smallest activation peak: only the gradients must survive
+    batch = make_batch(s.lm.config.vocab_size, T, device, packed=True)
+    _, err = attempt(lambda: fwd_bwd(s, batch, device), device)
+    if err:
+        return {"error": f"fwd+bwd for the gradients: {err}"}
+    free(device)
+    out = {"grad_gib": sum(p.grad.nbytes for p in s.model.parameters() if p.grad is not None) / GiB}
+    params = [p for p in s.model.parameters() if p.grad is not None]
+    out["clip_ms"] = time_ms(lambda: float(torch.nn.utils.clip_grad_norm_(params, 1.0)), warmup, rep, device)
+    out["qb_update_ms"] = time_once(s.balancer.step, device)  # statistics of every forward since the last one
+    for kind in kinds:
+        res = {}
+        for parts in (1, 4):
+            reset_peak(device)
+            ms, err = attempt(lambda: adamw_ms(s, kind == "fused", parts, device, warmup, rep), device)
+            if err is None:
+                res = {"ms": ms, "parts": parts, "peak_gib": peak_gib(device)}
+                break
+            res[f"error_parts_{parts}"] = err
+        out[kind] = res
+    s.model.zero_grad(set_to_none=True)
+    free(device)
+    return out
