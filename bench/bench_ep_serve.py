@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "src")]
 
 from bench.build import dense_bytes, expert_bytes, materialize  # noqa: E402
-from bench.common import CONFIGS, DEVICE, ceilings, environment, smoke_config, table, write_json  # noqa: E402
+from bench.common import CONFIGS, DEVICE, ceilings, environment, smoke_config, sync, table, write_json  # noqa: E402
 from kimik3.checkpoint.sharded import slice_experts  # noqa: E402
 from kimik3.config import K3Config  # noqa: E402
 from kimik3.distributed import apply_expert_parallel  # noqa: E402
@@ -43,8 +43,7 @@ def slice_24() -> K3Config:
 
 
 def _sync() -> None:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     dist.barrier()
 
 

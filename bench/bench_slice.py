@@ -13,16 +13,11 @@ import time
 import torch
 
 from bench.build import materialize
-from bench.common import DEVICE, environment, median_ms, smoke_config, table, write_json
+from bench.common import DEVICE, environment, median_ms, smoke_config, sync, table, write_json
 from kimik3.inference.cuda_graph import GraphedDecoder
 from kimik3.model import K3ForCausalLM
 from kimik3.ops.backend import use_backend
 from kimik3.presets import load_config
-
-def _sync() -> None:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-
 
 def decode_tps(model, B: int, steps: int, graph: bool, context: int) -> float:
     cache = model.new_cache(B, context + steps + 8)
@@ -31,11 +26,11 @@ def decode_tps(model, B: int, steps: int, graph: bool, context: int) -> float:
     graph = graph and DEVICE.type == "cuda"
     step = GraphedDecoder(model, cache) if graph else (lambda t: model(t[:, None], cache=cache)[:, -1])
     step(tokens)
-    _sync()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         tokens = step(tokens).argmax(-1)
-    _sync()
+    sync()
     return B * steps / (time.perf_counter() - t0)
 
 

@@ -33,6 +33,12 @@ def smoke_config(name: str) -> K3Config:
     return K3Config.from_hf(d)
 
 
+def sync(device: torch.device = DEVICE) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def median_ms(fn, warmup: int = 10, rep: int = 50) -> float:
     """Median wall time of fn() in milliseconds, timed with CUDA events around each call (CPU: perf_counter)."""
     if DEVICE.type != "cuda":

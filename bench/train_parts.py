@@ -12,7 +12,7 @@ import time
 import torch
 from torch import nn
 
-from bench.common import environment, median_ms
+from bench.common import environment, median_ms, sync
 from kimik3.distributed.parallelize import apply_activation_checkpointing, decoder_layers
 from kimik3.model import K3ForCausalLM
 from kimik3.model.kda import KimiDeltaAttention
@@ -63,11 +63,6 @@ def counted(flops: dict[str, float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- timing
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def time_ms(fn, warmup: int, rep: int, device: torch.device) -> float:
