@@ -4,6 +4,7 @@ tokens against the bf16 matmul rate on the matmul FLOPs.
 
     PYTHONPATH=src:. python3 bench/bench_layer.py            # device: table + $OUT/bench_layer.json
     PYTHONPATH=src:. python3 bench/bench_layer.py --smoke    # CPU check of this script at toy sizes
+    add --profile: the kernels of eager decode at batch 1 and of the prefill, by device time
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from bench.build import dense_bytes, expert_bytes, linear_flops, materialize
-from bench.common import DEVICE, ceilings, environment, graphed, median_ms, smoke_config, table, write_json
+from bench.common import (DEVICE, ceilings, environment, graphed, median_ms, profile_top, smoke_config, table,
+                          write_json)
 from kimik3.model.cache import HybridCache
 from kimik3.model.decoder import DecoderLayer
 from kimik3.presets import load_config
@@ -24,7 +26,7 @@ def routed_experts_touched(layer, x) -> int:
 
 
 @torch.no_grad()
-def main(smoke: bool = False):
+def main(smoke: bool = False, profile: bool = False):
     cfg = (smoke_config if smoke else load_config)("slice-layers").text
     context, prefill = (64, 128) if smoke else (4096, 8192)
     H, K = cfg.kda.num_heads, cfg.kda.head_dim
@@ -46,7 +48,10 @@ def main(smoke: bool = False):
             cache.length = context
             step = cache.make_step(torch.tensor([context], device=DEVICE), None, span=context + 1)
             x = torch.randn(B, 1, D, device=DEVICE, dtype=torch.bfloat16)
-            run = graphed(lambda: layer(x, blocks[:, :B], None, cache.layers[idx], step))
+            eager = lambda: layer(x, blocks[:, :B], None, cache.layers[idx], step)  # noqa: E731
+            if profile and B == 1:
+                profile_top(eager, f"{kind} decode B=1, eager", iters=10)
+            run = graphed(eager)
             ms = median_ms(run, 5, 50)
             # the state read and written: KDA's fp32 [H, K, K] per row, or MLA's bf16 latent row per cached token
             state = 2 * B * H * K * K * 4 if kind == "KDA+MoE" else 2 * B * (context + 1) * latent * 2
@@ -59,6 +64,8 @@ def main(smoke: bool = False):
         x = torch.randn(1, T, D, device=DEVICE, dtype=torch.bfloat16)
         blocks1 = torch.randn(4, 1, T, D, device=DEVICE, dtype=torch.bfloat16)
         ms = median_ms(lambda: layer(x, blocks1), 2, 10)
+        if profile:
+            profile_top(lambda: layer(x, blocks1), f"{kind} prefill T={T}", iters=2)
         flops = linear_flops(layer, T, A)
         if kind == "MLA+MoE":
             qk, v = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
@@ -80,4 +87,4 @@ def main(smoke: bool = False):
 if __name__ == "__main__":
     import sys
 
-    main(smoke="--smoke" in sys.argv[1:])
+    main(smoke="--smoke" in sys.argv[1:], profile="--profile" in sys.argv[1:])

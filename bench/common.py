@@ -78,6 +78,22 @@ def graphed(fn):
     return g.replay
 
 
+def profile_top(fn, title: str, iters: int = 5, rows: int = 25) -> None:
+    """Print the kernels fn() launches, by total device time over `iters` calls (torch.profiler; eager)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        sync()
+    key = "self_device_time_total" if DEVICE.type == "cuda" else "self_cpu_time_total"
+    print(f"-- profile: {title} ({iters} calls)", flush=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+
+
 def ceilings() -> dict:
     """Measured device-to-device copy bandwidth (bytes read + written per second) and bf16 matmul rate."""
     n, m = (2**31, 8192) if DEVICE.type == "cuda" else (2**22, 256)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Several device steps in one call, each under its own time limit with its own log, inside one overall budget.
-#   bash bench/device_suite.sh BUDGET_S STEP[:SECONDS] ...      e.g. 560 tests:200 kda mla:60 layer
-# STEP: tests (pytest -m gpu), diag (bench/diagnose_fast_paths.py), or NAME for bench/bench_NAME.py.
+#   bash bench/device_suite.sh BUDGET_S STEP[:SECONDS[:ARGS]] ...   e.g. 560 tests:200 kda mla:60 layer:200:--profile
+# STEP: tests (pytest -m gpu), diag (bench/diagnose_fast_paths.py), or NAME for bench/bench_NAME.py; ARGS are
+# passed on, split at commas (so an argument cannot hold one): layer:200:--profile, train:400:--precision=bf16.
 # Logs (and the benches' JSON) go to $OUT (default ./out/device). A step is stopped with SIGINT, so pytest and
 # the benches print what they have. Triton's autotuning results (*.autotune.json, a few KB) are restored from
 # .whl/tune.tgz when present and saved to $OUT/tune.tgz: copy that to .whl/ to spare the next machine the
@@ -19,17 +20,18 @@ fi
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 [ -f .whl/tune.tgz ] && mkdir -p "$cache" && tar xzf .whl/tune.tgz -C "$cache"
 for spec in "$@"; do
-    name=${spec%%:*}
+    IFS=: read -r name secs args <<<"$spec"
+    IFS=, read -r -a extra <<<"$args"
     left=$(( budget - ($(date +%s) - start) - 10 ))
     limit=$left
-    [ "$spec" != "$name" ] && limit=$(( ${spec#*:} < left ? ${spec#*:} : left ))
+    [ -n "$secs" ] && limit=$(( secs < left ? secs : left ))
     if [ "$limit" -lt 5 ]; then echo "== $name: skipped, no time left" | tee -a "$out/suite.log"; continue; fi
     case $name in
         # correctness steps take each Triton autotuner's first config (tests/conftest.py): no tuning minutes
         tests) cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 -m pytest -m gpu tests -v -rf --durations=10
-                    -p no:cacheprovider) ;;
-        diag) cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 bench/diagnose_fast_paths.py) ;;
-        *) cmd=(python3 "bench/bench_$name.py") ;;
+                    -p no:cacheprovider "${extra[@]}") ;;
+        diag) cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 bench/diagnose_fast_paths.py "${extra[@]}") ;;
+        *) cmd=(python3 "bench/bench_$name.py" "${extra[@]}") ;;
     esac
     t0=$(date +%s)
     timeout -s INT -k 10 "$limit" "${cmd[@]}" 2>&1 | tee "$out/$name.log"

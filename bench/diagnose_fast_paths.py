@@ -4,6 +4,7 @@ the number of tokens whose expert selection flipped in any MoE layer (a flip tur
 an O(1) change of that token's output, so whole-model comparisons must count flips, not only errors).
 
     python bench/diagnose_fast_paths.py            # on a CUDA device
+    python bench/diagnose_fast_paths.py --kda-only # only the KDA op sweep (forward, state, every gradient)
 Not part of the package: a debugging aid for the GPU tests.
 """
 
@@ -63,13 +64,13 @@ def report(tag, out, ref, routes, ref_routes):
           f"{tok[ok].max() if ok.any() else float('nan'):.2e} worst pos {tok.argmax().item()}", flush=True)
 
 
-def main() -> None:
+def main(kda_only: bool = False) -> None:
     pytest_configure(None)  # KIMIK3_TEST_TRITON_FIRST_CONFIG=1: no autotuning (see tests/conftest.py)
     cfg = tiny_head64()
     torch.manual_seed(0)
     src = randomize(K3ForCausalLM(cfg, torch.float32), seed=51).eval()
     ids = torch.randint(0, 300, (2, 150), device=DEV)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in () if kda_only else (torch.float32, torch.bfloat16):
         m = K3ForCausalLM(cfg, dtype)
         m.load_state_dict(src.state_dict())
         m = m.to(DEV).eval()
@@ -85,7 +86,8 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for B, T, H, K, h0 in ((2, 150, 3, 64, False), (2, 150, 4, 64, False), (2, 150, 3, 128, False),
                                (2, 150, 4, 128, False), (2, 150, 4, 128, True), (1, 130, 2, 128, True),
-                               (1, 130, 2, 128, False), (1, 150, 2, 128, True), (1, 130, 4, 128, True)):
+                               (1, 130, 2, 128, False), (1, 150, 2, 128, True), (1, 130, 4, 128, True),
+                               (1, 128, 2, 128, True), (1, 129, 2, 128, True), (1, 194, 2, 128, True)):
             kda_op(dtype, H, K, h0, B, T)
 
 
@@ -113,4 +115,6 @@ def kda_op(dtype, H, K, with_h0, B, T):
           f"state {rel_err(s, s_r):.1e} | {grads}", flush=True)
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(kda_only="--kda-only" in sys.argv[1:])

@@ -68,6 +68,9 @@ def pytest_configure(config):
         from triton.runtime import autotuner
 
         autotuner.Autotuner._bench = lambda self, *args, config, **kwargs: [0.0, 0.0, 0.0]
+        # and keep those zero timings out of Triton's disk cache, where a later benchmark run would take them
+        # for tuned results (the disk cache is neither read nor written in this mode)
+        autotuner.Autotuner.check_disk_cache = lambda self, tuning_key, configs, bench_fn: bench_fn() and False
 
 
 @pytest.fixture(autouse=True)

@@ -88,12 +88,30 @@ def test_mla_sdpa_prefill(dtype, tol):
     assert rel_err(out, ref) < tol
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_mla_sdpa_over_a_cache_mask(dtype, tol):
+    """A prefill of T=150 new tokens over S=200 cache rows (50 cached; row 1 has 20 pad rows): explicit mask."""
+    B, T, S, H = 2, 150, 200, 16
+    q = torch.randn(B, T, H, 192, device=DEV, dtype=dtype)
+    k = torch.randn(B, S, H, 192, device=DEV, dtype=dtype)
+    v = torch.randn(B, S, H, 128, device=DEV, dtype=dtype)
+    pos = torch.arange(S - T, S, device=DEV)
+    mask = (torch.arange(S, device=DEV)[None, None] <= pos[None, :, None]).expand(B, T, S).clone()
+    mask[1, :, :20] = False
+    out = mla_attention(q, k, v, scale=192**-0.5, mask=mask)
+    with use_backend("torch"):
+        ref = mla_attention(q, k, v, scale=192**-0.5, mask=mask)
+    print(f"mla sdpa masked {dtype}: {rel_err(out, ref):.2e}")
+    assert rel_err(out, ref) < tol
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
-def test_mla_latent_decode(dtype, tol):
-    q = torch.randn(4, 1, 16, 192, device=DEV, dtype=dtype)
+@pytest.mark.parametrize("T", [1, 3])
+def test_mla_latent_decode(dtype, tol, T):
+    q = torch.randn(4, T, 16, 192, device=DEV, dtype=dtype)
     latent = torch.randn(4, 333, 576, device=DEV, dtype=dtype)
     w = torch.randn(16 * 256, 512, device=DEV, dtype=dtype) / 512**0.5
-    mask = torch.rand(4, 1, 333, device=DEV) > 0.2
+    mask = torch.rand(4, T, 333, device=DEV) > 0.2
     mask[..., 0] = True
     out = mla_latent_attention(q, latent, w, qk_nope_head_dim=128, scale=192**-0.5, mask=mask)
     with use_backend("torch"):

@@ -5,6 +5,7 @@ import torch
 
 from kimik3.model import K3ForCausalLM
 from kimik3.model.cache import KDAState, MLALatents
+from kimik3.model.mla import EXPANDED_FROM_TOKENS
 from tests.conftest import randomize, rel_err
 
 
@@ -14,24 +15,26 @@ def model(tiny_config):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("prefix", [1, 5, 70])
+@pytest.mark.parametrize("prefix", [1, 5, 70, EXPANDED_FROM_TOKENS + 2])  # the last prefill expands MLA's latents
 def test_prefill_then_decode_equals_full_forward(model, prefix):
-    ids = torch.randint(0, model.config.vocab_size, (2, 78))
+    T = max(78, prefix + 8)
+    ids = torch.randint(0, model.config.vocab_size, (2, T))
     full = model(ids)
-    cache = model.new_cache(2, 80)
+    cache = model.new_cache(2, T + 2)
     out = [model(ids[:, :prefix], cache=cache)]
     for t in range(prefix, ids.shape[1]):
         out.append(model(ids[:, t:t + 1], cache=cache))
-    assert cache.length == 78
+    assert cache.length == T
     assert rel_err(torch.cat(out, 1), full) < 1e-5
 
 
 @torch.no_grad()
 def test_chunked_prefill_equals_one_shot(model):
-    ids = torch.randint(0, model.config.vocab_size, (3, 100))
-    one = model(ids, cache=model.new_cache(3, 100))
-    cache = model.new_cache(3, 100)
-    chunks = [model(ids[:, a:b], cache=cache) for a, b in ((0, 7), (7, 71), (71, 72), (72, 100))]
+    ids = torch.randint(0, model.config.vocab_size, (3, 300))
+    one = model(ids, cache=model.new_cache(3, 300))
+    cache = model.new_cache(3, 300)
+    # chunks below and above EXPANDED_FROM_TOKENS: latent (absorbed) and expanded MLA over a non-empty cache
+    chunks = [model(ids[:, a:b], cache=cache) for a, b in ((0, 7), (7, 71), (71, 72), (72, 100), (100, 300))]
     assert rel_err(torch.cat(chunks, 1), one) < 1e-5
     assert rel_err(one, model(ids)) < 1e-5
 
@@ -45,10 +48,11 @@ def test_multi_token_decode(model):
 
 
 @torch.no_grad()
-def test_ragged_left_padded_batch_equals_each_alone(model):
+@pytest.mark.parametrize("lengths", [(9, 3, 14), (EXPANDED_FROM_TOKENS + 5, 3, 40)])
+def test_ragged_left_padded_batch_equals_each_alone(model, lengths):
     """Left padding: pads stay out of MLA, leave the KDA state untouched, and feed the convs zeros."""
     V, pad = model.config.vocab_size, model.config.pad_token_id
-    prompts = [torch.randint(0, V, (n,)) for n in (9, 3, 14)]
+    prompts = [torch.randint(0, V, (n,)) for n in lengths]
     steps = 6
     T = max(len(p) for p in prompts)
     ids = torch.full((3, T), pad)

@@ -20,6 +20,12 @@ from kimik3.model.cache import CacheStep, MLALatents
 from kimik3.model.norm import RMSNorm
 from kimik3.ops.mla import mla_attention, mla_latent_attention
 
+# New tokens per step from which a cached step expands the latents to per-head K/V instead of attending in the
+# latent space. Per head and key, absorbed attention costs (C+R) + C = 1088 MACs per query and expanded
+# (N+R) + V = 320, plus C*(N+V) = 131k once per key for the expansion: equal at ~170 queries for K3's dims.
+# Below that the absorbed scores ([B, T*H, S] fp32) stay small; from there SDPA never materializes them.
+EXPANDED_FROM_TOKENS = 128
+
 
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, cfg: TextConfig, dtype: torch.dtype | None = None):
@@ -39,7 +45,8 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, cache: MLALatents | None = None,
                 step: CacheStep | None = None) -> Tensor:
         """x [B, T, D] -> [B, T, D]. Without a cache: expanded causal attention (prefill, training).
-        With `cache`: append the new latents and attend over the cache with the up-projections absorbed."""
+        With `cache`: append the new latents and attend over the cache, with the up-projections absorbed for
+        fewer than EXPANDED_FROM_TOKENS new tokens (decode), else through per-head K/V expanded from it."""
         c = self.cfg
         B, T, _ = x_BTD.shape
         H, N, R, V = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -49,11 +56,23 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None:
             cache.latent.index_copy_(1, step.positions, torch.cat([c_BTC, k_r_BTR], dim=-1))
             span = step.mla_mask.shape[-1]
-            o_BTHV = mla_latent_attention(q_BTHK, cache.latent[:, :span], self.kv_b_proj.weight, qk_nope_head_dim=N,
-                                          scale=c.softmax_scale, mask=step.mla_mask)
+            latent_BSX = cache.latent[:, :span]
+            if T < EXPANDED_FROM_TOKENS:  # decode: attend in the latent space, nothing expanded per head
+                o_BTHV = mla_latent_attention(q_BTHK, latent_BSX, self.kv_b_proj.weight, qk_nope_head_dim=N,
+                                              scale=c.softmax_scale, mask=step.mla_mask)
+            else:  # a prefill over the cache: expand the cached latents once, SDPA under the cache mask
+                k_BSHK, v_BSHV = self._expand(*latent_BSX.split([c.kv_lora_rank, R], dim=-1))
+                o_BTHV = mla_attention(q_BTHK, k_BSHK, v_BSHV, scale=c.softmax_scale, mask=step.mla_mask)
         else:
-            k_n_BTHN, v_BTHV = self.kv_b_proj(c_BTC).view(B, T, H, N + V).split([N, V], dim=-1)
-            k_BTHK = torch.cat([k_n_BTHN, k_r_BTR.unsqueeze(2).expand(B, T, H, R)], dim=-1)
+            k_BTHK, v_BTHV = self._expand(c_BTC, k_r_BTR)
             o_BTHV = mla_attention(q_BTHK, k_BTHK, v_BTHV, scale=c.softmax_scale, cu_seqlens=cu_seqlens)
         o_BTP = o_BTHV.reshape(B, T, H * V) * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o_BTP)
+
+    def _expand(self, c_BSC: Tensor, k_r_BSR: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-head keys [k_n ; k_r] [B, S, H, N+R] and values [B, S, H, V] from normed latents and shared keys."""
+        c = self.cfg
+        B, S, _ = c_BSC.shape
+        H, N, R, V = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        k_n_BSHN, v_BSHV = self.kv_b_proj(c_BSC).view(B, S, H, N + V).split([N, V], dim=-1)
+        return torch.cat([k_n_BSHN, k_r_BSR.unsqueeze(2).expand(B, S, H, R)], dim=-1), v_BSHV

@@ -8,19 +8,22 @@ from kimik3.ops.backend import use_fast
 from kimik3.ops.mla import fast, reference
 
 
-def mla_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: Tensor | None = None) -> Tensor:
-    """Causal multi-head attention over expanded keys and values.
+def mla_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: Tensor | None = None,
+                  mask: Tensor | None = None) -> Tensor:
+    """Multi-head attention over expanded keys and values: causal, or under an explicit mask.
 
     Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V] (any float dtype; math in fp32).
+        q: [B, T, H, K]; k: [B, S, H, K]; v: [B, S, H, V] (any float dtype; math in fp32). S == T unless `mask`.
         scale: softmax scale (K3: 192**-0.5, no mscale).
         cu_seqlens: optional [N+1] int document boundaries of one packed row (B == 1).
+        mask: optional [B, T, S] bool, True where a query may attend a key; replaces the causal mask (a prefill
+            over a cache: S cached + new positions). Every query must see at least one key.
 
     Returns:
         [B, T, H, V] in `q.dtype`.
     """
     impl = fast.mla_attention if use_fast(q) else reference.mla_attention
-    return impl(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
+    return impl(q, k, v, scale=scale, cu_seqlens=cu_seqlens, mask=mask)
 
 
 def mla_latent_attention(q: Tensor, latent: Tensor, kv_b_weight: Tensor, *, qk_nope_head_dim: int,

@@ -12,16 +12,19 @@ from torch import Tensor
 from kimik3.ops.varlen import check_cu_seqlens, sequence_ids
 
 
-def mla_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: Tensor | None = None) -> Tensor:
+def mla_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: Tensor | None = None,
+                  mask: Tensor | None = None) -> Tensor:
     B, T = q.shape[:2]
-    s_BHTT = torch.einsum("bthk,bshk->bhts", q.float(), k.float()) * scale
-    mask_TT = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, T, B)
-        doc = sequence_ids(cu_seqlens.to(q.device), T)
-        mask_TT = mask_TT & (doc[:, None] == doc[None, :])
-    p_BHTT = s_BHTT.masked_fill(~mask_TT, float("-inf")).softmax(-1)
-    return torch.einsum("bhts,bshv->bthv", p_BHTT, v.float()).to(q.dtype)
+    s_BHTS = torch.einsum("bthk,bshk->bhts", q.float(), k.float()) * scale
+    if mask is None:
+        mask_TT = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, T, B)
+            doc = sequence_ids(cu_seqlens.to(q.device), T)
+            mask_TT = mask_TT & (doc[:, None] == doc[None, :])
+        mask = mask_TT[None]
+    p_BHTS = s_BHTS.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+    return torch.einsum("bhts,bshv->bthv", p_BHTS, v.float()).to(q.dtype)
 
 
 def mla_latent_attention(q: Tensor, latent: Tensor, kv_b_weight: Tensor, *, qk_nope_head_dim: int,
