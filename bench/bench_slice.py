@@ -19,18 +19,21 @@ from kimik3.model import K3ForCausalLM
 from kimik3.ops.backend import use_backend
 from kimik3.presets import load_config
 
-def decode_tps(model, B: int, steps: int, graph: bool, context: int) -> float:
+def decode_tps(model, B: int, steps: int, graph: bool, context: int, backend: str = "auto") -> float:
+    """Decode tokens/s at batch B after a `context`-token prefill (always on the fast ops: the reference's fp32
+    attention scores of a batch-64 prefill alone would not fit beside the weights); the steps on `backend`."""
     cache = model.new_cache(B, context + steps + 8)
     model(torch.randint(0, 1000, (B, context), device=DEVICE), cache=cache)
     tokens = torch.randint(0, 1000, (B,), device=DEVICE)
     graph = graph and DEVICE.type == "cuda"
-    step = GraphedDecoder(model, cache) if graph else (lambda t: model(t[:, None], cache=cache)[:, -1])
-    step(tokens)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tokens = step(tokens).argmax(-1)
-    sync()
+    with use_backend(backend):
+        step = GraphedDecoder(model, cache) if graph else (lambda t: model(t[:, None], cache=cache)[:, -1])
+        step(tokens)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tokens = step(tokens).argmax(-1)
+        sync()
     return B * steps / (time.perf_counter() - t0)
 
 
@@ -57,8 +60,7 @@ def main(smoke: bool = False):
     for B in (1, 8, 64):
         ours = decode_tps(model, B, 64, graph=True, context=context)
         eager = decode_tps(model, B, 16, graph=False, context=context)
-        with use_backend("torch"):
-            ref = decode_tps(model, B, 4, graph=False, context=context)
+        ref = decode_tps(model, B, 4, graph=False, context=context, backend="torch")
         results[f"decode B={B}"] = {"ours_graph": ours, "ours_eager": eager, "reference": ref}
         rows.append([f"decode B={B} (graph | eager)", f"{ours:,.0f} | {eager:,.0f}", f"{ref:,.0f}",
                      f"{ours / ref:.1f}x"])

@@ -81,17 +81,20 @@ def main(kda_only: bool = False) -> None:
             out, routes = forward_with_routes(m, ids)
             report(f"{op} {str(dtype)[6:]}", out, ref, routes, ref_routes)
         only(None)
-    # the KDA op alone, fla vs reference: forward, final state and every gradient, over head counts and dims
+    # the KDA op alone, fla vs reference: forward, final state and every gradient, over head counts and dims;
+    # first the shape of tests/gpu test_chunk_kda_gradients (bf16, B=1, T=130, H=2, K=128, initial state)
     only("kda")
-    for dtype in (torch.float32, torch.bfloat16):
-        for B, T, H, K, h0 in ((2, 150, 3, 64, False), (2, 150, 4, 64, False), (2, 150, 3, 128, False),
-                               (2, 150, 4, 128, False), (2, 150, 4, 128, True), (1, 130, 2, 128, True),
-                               (1, 130, 2, 128, False), (1, 150, 2, 128, True), (1, 130, 4, 128, True),
-                               (1, 128, 2, 128, True), (1, 129, 2, 128, True), (1, 194, 2, 128, True)):
-            kda_op(dtype, H, K, h0, B, T)
+    bf, f32 = torch.bfloat16, torch.float32
+    for dtype, B, T, H, K, h0, dht in (
+            (bf, 1, 130, 2, 128, True, True), (bf, 1, 130, 2, 128, False, True), (bf, 1, 130, 2, 128, True, False),
+            (bf, 1, 128, 2, 128, True, True), (f32, 1, 130, 2, 128, True, True), (bf, 1, 129, 2, 128, True, True),
+            (bf, 1, 194, 2, 128, True, True), (bf, 2, 150, 4, 128, True, True), (bf, 1, 130, 4, 128, True, True),
+            (bf, 2, 150, 3, 64, False, True), (bf, 2, 150, 4, 128, False, True), (f32, 2, 150, 4, 128, True, True),
+            (f32, 2, 150, 3, 64, False, True), (f32, 2, 150, 4, 128, False, True)):
+        kda_op(dtype, H, K, h0, B, T, dht)
 
 
-def kda_op(dtype, H, K, with_h0, B, T):
+def kda_op(dtype, H, K, with_h0, B, T, dht=True):
     g = torch.Generator(device=DEV).manual_seed(0)
     x = {n: torch.randn(B, T, H, K, device=DEV, generator=g).to(dtype) for n in ("q", "k", "v", "g")}
     x["beta"] = torch.randn(B, T, H, device=DEV, generator=g)
@@ -100,7 +103,7 @@ def kda_op(dtype, H, K, with_h0, B, T):
     if with_h0:
         x["initial_state"] = torch.randn(B, H, K, K, device=DEV, generator=g)
     w_o = torch.randn(B, T, H, K, device=DEV, generator=g)
-    w_s = torch.randn(B, H, K, K, device=DEV, generator=g)
+    w_s = torch.randn(B, H, K, K, device=DEV, generator=g) * dht
     res = []
     for name in ("auto", "torch"):
         leaves = {n: t.detach().clone().requires_grad_(n != "A_log") for n, t in x.items()}
@@ -111,8 +114,9 @@ def kda_op(dtype, H, K, with_h0, B, T):
     (o, s, gr), (o_r, s_r, gr_r) = res
     tok = ((o - o_r).float().norm(dim=-1) / o_r.float().norm(dim=-1)).flatten()
     grads = " ".join(f"d{n} {rel_err(gr[n], gr_r[n]):.1e}" for n in gr_r)
-    print(f"kda {str(dtype)[6:]} B={B} T={T} H={H} K={K} h0={with_h0}: o {rel_err(o, o_r):.1e} (token max {tok.max():.1e}) "
-          f"state {rel_err(s, s_r):.1e} | {grads}", flush=True)
+    print(f"kda {str(dtype)[6:]} B={B} T={T} H={H} K={K} h0={with_h0} dht={dht}: o {rel_err(o, o_r):.1e} "
+          f"(token max {tok.max():.1e}) state {rel_err(s, s_r):.1e} | {grads}", flush=True)
+
 
 if __name__ == "__main__":
     import sys
