@@ -84,6 +84,7 @@ def main(kda_only: bool = False) -> None:
     # the KDA op alone, fla vs reference: forward, final state and every gradient, over head counts and dims;
     # first the shape of tests/gpu test_chunk_kda_gradients (bf16, B=1, T=130, H=2, K=128, initial state)
     only("kda")
+    kda_test_draw()
     bf, f32 = torch.bfloat16, torch.float32
     for dtype, B, T, H, K, h0, dht in (
             (bf, 1, 130, 2, 128, True, True), (bf, 1, 130, 2, 128, False, True), (bf, 1, 130, 2, 128, True, False),
@@ -104,6 +105,24 @@ def kda_op(dtype, H, K, with_h0, B, T, dht=True):
         x["initial_state"] = torch.randn(B, H, K, K, device=DEV, generator=g)
     w_o = torch.randn(B, T, H, K, device=DEV, generator=g)
     w_s = torch.randn(B, H, K, K, device=DEV, generator=g) * dht
+    kda_compare(x, w_o, w_s, f"kda {str(dtype)[6:]} B={B} T={T} H={H} K={K} h0={with_h0} dht={dht}")
+
+
+def kda_test_draw():
+    """The exact inputs of tests/gpu/test_kda_mla.py::test_chunk_kda_gradients (its seeds, its draw order), here
+    in a fresh process: tells a draw-dependent difference from one that needs the test process's history."""
+    from tests.gpu.test_kda_mla import kda_inputs
+
+    torch.manual_seed(1234)  # tests/conftest.py's autouse seed
+    x = kda_inputs(1, 130, 2, 128, torch.bfloat16)
+    x["initial_state"] = torch.randn(1, 2, 128, 128, device=DEV)
+    torch.manual_seed(0)
+    w_o = torch.randn(1, 130, 2, 128, device=DEV)
+    w_s = torch.randn(1, 2, 128, 128, device=DEV)
+    kda_compare(x, w_o, w_s, "kda bfloat16 B=1 T=130 H=2 K=128, test_chunk_kda_gradients' draw")
+
+
+def kda_compare(x, w_o, w_s, tag):
     res = []
     for name in ("auto", "torch"):
         leaves = {n: t.detach().clone().requires_grad_(n != "A_log") for n, t in x.items()}
@@ -114,8 +133,8 @@ def kda_op(dtype, H, K, with_h0, B, T, dht=True):
     (o, s, gr), (o_r, s_r, gr_r) = res
     tok = ((o - o_r).float().norm(dim=-1) / o_r.float().norm(dim=-1)).flatten()
     grads = " ".join(f"d{n} {rel_err(gr[n], gr_r[n]):.1e}" for n in gr_r)
-    print(f"kda {str(dtype)[6:]} B={B} T={T} H={H} K={K} h0={with_h0} dht={dht}: o {rel_err(o, o_r):.1e} "
-          f"(token max {tok.max():.1e}) state {rel_err(s, s_r):.1e} | {grads}", flush=True)
+    print(f"{tag}: o {rel_err(o, o_r):.1e} (token max {tok.max():.1e}) state {rel_err(s, s_r):.1e} | {grads}",
+          flush=True)
 
 
 if __name__ == "__main__":
