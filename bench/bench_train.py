@@ -42,9 +42,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch  # noqa: E402
 
-from bench.common import ceilings, table, write_json  # noqa: E402
+from bench.common import ceilings, profile_top, table, write_json  # noqa: E402
 from bench.train_parts import (attempt, build, correctness, counted, cpu_ceilings,  # noqa: E402
-                               describe, free, matmul_flops, release, short, time_fwd_bwd, time_optimizer)
+                               describe, free, fwd_bwd, make_batch, matmul_flops, release, short, time_fwd_bwd,
+                               time_optimizer)
 from kimik3.model import K3ForCausalLM  # noqa: E402
 from kimik3.presets import load_config  # noqa: E402
 
@@ -90,6 +91,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--check-tokens", type=int, default=256, help="T of the fast-vs-reference check (0: skip)")
     ap.add_argument("--compare-experts", type=int, default=32,
                     help="also time both precisions with this many experts per MoE layer (0: skip)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the kernels of one bf16 fwd+bwd (packed, AC off) by device time")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rep", type=int, default=6)
     args = ap.parse_args()
@@ -139,6 +142,9 @@ def main() -> int:
                 r = time_fwd_bwd(s, T, packed, ac, device, args.warmup, args.rep)
                 log("    " + (r.get("error") or f"{r['ms']:.1f} ms"))
                 mode["fwd_bwd"].append(r)
+                if args.profile and prec == "bf16" and packed and not ac and not r.get("error"):
+                    batch = make_batch(s.lm.config.vocab_size, T, device, packed=True)
+                    profile_top(lambda: fwd_bwd(s, batch, device), f"bf16 fwd+bwd T={T}", iters=2, rows=40)
         log(f"{prec}: clip + AdamW + QB update")
         mode["optimizer"] = time_optimizer(s, T, device, args.warmup, args.rep)
         result["modes"][prec] = mode

@@ -50,13 +50,16 @@ class Config:
 
 
 def default_config(M: int, backward: bool) -> Config:
-    """Launch shape for S = M + 1 sources (guessed from ptxas reports; `bench/bench_attnres.py` sweeps it).
+    """Launch shape for S = M + 1 sources (guessed from ptxas reports, the backward's for S <= 5 measured;
+    `bench/bench_attnres.py` sweeps them).
 
     Each SM should keep ~40-70 KB of loads in flight (a D chunk of every source per program) while the rows
     it holds between the two passes (programs_per_sm rows of S * D) stay ~250 KB, ~33 MB over the chip,
     inside the 50 MB L2.
     """
     S = M + 1
+    if backward and S <= 5:  # measured on the H200 (bench_attnres.py sweep, N=8192): 0.244 vs 0.346 ms at M=1,
+        return Config(4096, 16, 2) if S <= 2 else Config(8192, 16, 1)  # 0.477 vs 0.604 ms at M=4
     if backward:
         return Config(1024, 4, max(2, min(8, 24 // (S + 1))))
     return Config(2048, 8, max(2, min(8, 18 // S)))
