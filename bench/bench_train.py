@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from bench.common import ceilings, profile_top, table, write_json  # noqa: E402
 from bench.train_parts import (attempt, build, correctness, counted, cpu_ceilings,  # noqa: E402
                                describe, free, fwd_bwd, make_batch, matmul_flops, release, short, time_fwd_bwd,
-                               time_optimizer)
+                               time_optimizer, truth_check)
 from kimik3.model import K3ForCausalLM  # noqa: E402
 from kimik3.presets import load_config  # noqa: E402
 
@@ -93,6 +93,9 @@ def parse() -> argparse.Namespace:
                     help="also time both precisions with this many experts per MoE layer (0: skip)")
     ap.add_argument("--profile", action="store_true",
                     help="print the kernels of one bf16 fwd+bwd (packed, AC off) by device time")
+    ap.add_argument("--truth-experts", type=int, default=16,
+                    help="routed experts of the config copy for the fp32-truth report (0: skip; 16 = top-16 of 16:\n"
+                         "every expert active, so no routing flip muddles the comparison)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rep", type=int, default=6)
     args = ap.parse_args()
@@ -151,6 +154,16 @@ def main() -> int:
         release(s, device)
         del s
         free(device)
+
+    if args.truth_experts and args.check_tokens:
+        E, T_check = args.truth_experts, args.check_tokens
+        log(f"fp32 truth vs the bf16 fast path and reference ops: {E} experts, T={T_check}")
+        truth, err = attempt(lambda: truth_check(with_experts(cfg, E), T_check, device, args.loss_chunk), device)
+        result["truth"] = truth or {"error": err}
+        if truth:
+            table(f"Relative error from the fp32 truth (reference ops, no autocast), {E} experts, T={T_check}",
+                  ["", "fast path (bf16)", "reference ops (bf16)"],
+                  [[short(n), f"{r['auto']:.1e}", f"{r['torch']:.1e}"] for n, r in truth["rows"].items()])
 
     if args.compare_experts:
         E = args.compare_experts

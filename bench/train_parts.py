@@ -171,11 +171,12 @@ def make_batch(vocab: int, T: int, device: torch.device, packed: bool, seed: int
     return row[:, :-1].to(device), row[:, 1:].contiguous().to(device), cu
 
 
-def fwd_bwd(s: Setup, batch, device: torch.device) -> torch.Tensor:
-    """One micro-batch as train_step runs it: fresh gradients, forward under collecting() + autocast, backward."""
+def fwd_bwd(s: Setup, batch, device: torch.device, precision: str = "bf16") -> torch.Tensor:
+    """One micro-batch as train_step runs it: fresh gradients, forward under collecting() + autocast (none for
+    precision "fp32"), backward."""
     ids, labels, cu = batch
     s.model.zero_grad(set_to_none=True)
-    with s.balancer.collecting(), autocast(device, "bf16"):
+    with s.balancer.collecting(), autocast(device, precision):
         loss = s.model(ids, labels, cu)
     (loss / labels.numel()).backward()
     return loss.detach()
@@ -184,13 +185,19 @@ def fwd_bwd(s: Setup, batch, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- phases
 
 
-def correctness(s: Setup, T: int, device: torch.device) -> dict:
-    """Loss and probe-gradient norms of one T-token step on the fast path vs `use_backend("torch")`."""
+def probe_names(lm: nn.Module) -> dict[str, str]:
+    """The first parameter name ending in each of PROBES (those the config has)."""
     names = {}
     for suffix in PROBES:
-        hit = next((n for n, p in s.lm.named_parameters() if n.endswith(suffix)), None)
+        hit = next((n for n, _ in lm.named_parameters() if n.endswith(suffix)), None)
         if hit is not None:
             names[suffix] = hit
+    return names
+
+
+def correctness(s: Setup, T: int, device: torch.device) -> dict:
+    """Loss and probe-gradient norms of one T-token step on the fast path vs `use_backend("torch")`."""
+    names = probe_names(s.lm)
     params = dict(s.lm.named_parameters())
     batch = make_batch(s.lm.config.vocab_size, T, device, packed=True, seed=1)
     runs = {}
@@ -211,6 +218,36 @@ def correctness(s: Setup, T: int, device: torch.device) -> dict:
         del fast["grads"][k], ref["grads"][k]
     ok = all(r["rel"] < CHECK_TOL for r in rows.values())
     return {"tokens": T, "tolerance": CHECK_TOL, "ok": ok, "rows": rows}
+
+
+def truth_check(cfg, T: int, device: torch.device, loss_chunk: int) -> dict:
+    """How far each bf16 run is from the truth, for the loss and every probe gradient (relative error of the
+    whole vector): the fast path and the reference ops on bf16 weights under bf16 autocast (as trained), the
+    truth being the same weights in fp32 on the reference ops without autocast. A report, not a verdict: the
+    expectation is a fast path about as accurate as the reference. Holds an fp32 copy and its gradients, so
+    run it on a reduced-expert copy of a real-dims config."""
+    s = build(cfg, "bf16", device, loss_chunk)
+    names = probe_names(s.lm)
+    batch = make_batch(s.lm.config.vocab_size, T, device, packed=True, seed=1)
+    runs = {}
+    for backend in ("auto", "torch"):
+        with use_backend(backend):
+            loss = float(fwd_bwd(s, batch, device)) / T
+        params = dict(s.lm.named_parameters())
+        runs[backend] = (loss, {k: params[n].grad.detach().clone() for k, n in names.items()})
+    t = build(cfg, "fp32-master", device, loss_chunk)
+    t.lm.load_state_dict(s.lm.state_dict())  # the bf16 weights, exactly, in fp32
+    release(s, device)
+    del s
+    with use_backend("torch"):
+        true_loss = float(fwd_bwd(t, batch, device, precision="fp32")) / T
+    params = dict(t.lm.named_parameters())
+    rows = {"loss": {b: abs(runs[b][0] - true_loss) / abs(true_loss) for b in runs}}
+    for k, n in names.items():
+        truth = params[n].grad.float()
+        rows[n] = {b: float((runs[b][1][k].float() - truth).norm() / truth.norm().clamp_min(1e-30)) for b in runs}
+    release(t, device)
+    return {"tokens": T, "experts": cfg.moe.num_experts, "rows": rows}
 
 
 def time_fwd_bwd(s: Setup, T: int, packed: bool, ac: bool, device: torch.device, warmup: int, rep: int) -> dict:
