@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from kimik3.ops.mxfp4 import decode
-from kimik3.ops.situ import situ_glu
+from kimik3.ops.situ.reference import situ_glu
 
 ExpertWeights = Callable[[int], tuple[Tensor, Tensor, Tensor]]  # expert -> (w1 [F, L], w3 [F, L], w2 [L, F])
 

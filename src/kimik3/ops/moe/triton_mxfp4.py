@@ -36,36 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.mxfp4 import GROUP_SIZE
-
-
-@triton.jit
-def _tanh(x):
-    # exp-based tanh, exact to a few fp32 ulps; the odd Taylor series near 0 avoids the 1 - e^(-2|x|) cancellation
-    ax = tl.abs(x)
-    t = tl.exp(-2.0 * ax)
-    big = (1.0 - t) / (1.0 + t)
-    x2 = ax * ax
-    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    r = tl.where(ax < 0.0625, small, big)
-    return tl.where(x < 0, -r, r)
-
-
-@triton.jit
-def _situ(g, u, beta, linear_beta):
-    """SiTU-GLU of the rounded gate/up projections (fp32 in, fp32 out), as ops.situ.situ_glu."""
-    a = beta * _tanh(tl.div_rn(g, beta)) * tl.sigmoid(g)
-    return a * (linear_beta * _tanh(tl.div_rn(u, linear_beta)))
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> DTYPE, round to nearest even. Triton's interpreter truncates fp32 -> bf16, so there the
-    rounding is done on the bits (finite values)."""
-    if INTERPRET and DTYPE == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(DTYPE)
+from kimik3.ops.situ.triton import round_to, situ
 
 
 @triton.jit
@@ -249,9 +220,9 @@ def _gate_up_kernel(z_ptr, order_ptr, tiles_ptr, T, w1p_ptr, w3p_ptr, w1s_ptr, w
         x_lo, x_hi = _load_x(z_ptr, tok, r_mask, k0, L, BM, BK // 2)
         acc1 = _mx_acc(acc1, x_lo, x_hi, w1p, w1s, n_ld, k0 // 2, L // 2, L // 32, BK // 2, SWAP, DTYPE, INTERPRET)
         acc3 = _mx_acc(acc3, x_lo, x_hi, w3p, w3s, n_ld, k0 // 2, L // 2, L // 32, BK // 2, SWAP, DTYPE, INTERPRET)
-    g = _round(acc1, DTYPE, INTERPRET).to(tl.float32)
-    u = _round(acc3, DTYPE, INTERPRET).to(tl.float32)
-    h = _round(_situ(g, u, beta, linear_beta), DTYPE, INTERPRET)
+    g = round_to(acc1, DTYPE, INTERPRET).to(tl.float32)
+    u = round_to(acc3, DTYPE, INTERPRET).to(tl.float32)
+    h = round_to(situ(g, u, beta, linear_beta), DTYPE, INTERPRET)
     c = (n // 32) * 32 + (n % 2) * 16 + (n % 32) // 2  # h is stored group-interleaved, as stage 2 reads it
     if SWAP:
         ptr = h_ptr + rows[None, :].to(tl.int64) * F + c[:, None]
@@ -280,7 +251,7 @@ def _down_kernel(h_ptr, order_ptr, tiles_ptr, T, w2p_ptr, w2s_ptr, y_ptr, L: tl.
     for k0 in range(0, F, BK):
         x_lo, x_hi = _load_x(h_ptr, rows, r_mask, k0, F, BM, BK // 2)
         acc = _mx_acc(acc, x_lo, x_hi, w2p, w2s, n_ld, k0 // 2, F // 2, F // 32, BK // 2, SWAP, DTYPE, INTERPRET)
-    y = _round(acc, DTYPE, INTERPRET)
+    y = round_to(acc, DTYPE, INTERPRET)
     flat = tl.load(order_ptr + rows, mask=r_mask, other=0).to(tl.int64)
     if SWAP:
         tl.store(y_ptr + flat[None, :] * L + n[:, None], y, mask=r_mask[None, :] & (n < L)[:, None])
@@ -298,7 +269,7 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, A: tl.constexpr, L: tl.constexpr, BL:
     for a in range(A):
         w = tl.load(w_ptr + t * A + a)
         acc += w * tl.load(y_ptr + (t * A + a) * L + c, mask=c < L, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * L + c, _round(acc, out_ptr.dtype.element_ty, INTERPRET), mask=c < L)
+    tl.store(out_ptr + t * L + c, round_to(acc, out_ptr.dtype.element_ty, INTERPRET), mask=c < L)
 
 
 # (rows per expert on average) -> (BM, BN, BK, SWAP, num_warps, num_stages) of stage 1 and of stage 2.

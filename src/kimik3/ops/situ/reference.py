@@ -1,11 +1,11 @@
-"""SiTU-GLU, the activation of every K3 MLP (dense, shared and routed experts).
+"""SiTU-GLU in torch: the reference (see `kimik3.ops.situ.situ_glu`).
 
 Given the gate and up projections (same shape), in fp32:
     a = beta * tanh(gate / beta) * sigmoid(gate)
     u = linear_beta * tanh(up / linear_beta)
     out = (a * u) cast to the input dtype
 K3: beta = activation_situ_beta = 4, linear_beta = activation_situ_linear_beta = 25.
-The fused GPU expert kernels apply the same formula inside the GEMM epilogue.
+The Triton kernels (`.triton`, and the MXFP4 experts' GEMM epilogue) compute the same formula.
 """
 
 from __future__ import annotations
