@@ -55,6 +55,7 @@ def check(runs, dtype):
 
 
 @needs_interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy's exp(-g) at g << 0: sigmoid -> 0
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 1000), (4097,), (2, 5, 7)])  # a partial block, one past a block
 def test_interpreted_matches_reference(dtype, shape):
