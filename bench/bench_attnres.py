@@ -4,7 +4,7 @@ Checks, then times (triton.testing.do_bench medians) the public op forward and f
 backends, sweeps the kernels' launch shapes, and compares each with the bytes floor:
     forward  (S reads + 1 write) * N * D * 2 bytes,   backward (1 + S reads + S writes) * N * D * 2 bytes
 over the measured copy bandwidth (4.25e12 B/s on the H200, design.md 6; re-measured here and printed).
-Prints a ratio table last and writes everything to $OUT/bench_attnres.json (./ when OUT is unset).
+Prints a ratio table last and writes everything to $OUT/bench_attnres.json (out/bench/ when OUT is unset).
 
     python bench/bench_attnres.py [--tokens 8192] [--blocks 1 4 8] [--no-sweep]
 """
@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-from pathlib import Path
 
 import torch
 import triton
 from triton.testing import do_bench
 
+from bench.common import write_json
 from kimik3.ops.attnres import attn_res_mix
 from kimik3.ops.attnres import triton as fast
 from kimik3.ops.backend import use_backend
@@ -166,8 +164,7 @@ def main() -> None:
                 print(f"    {str(r['config']):25s} fwd {r['fwd_ms']:.3f}  bwd {r['bwd_ms']:.3f}  "
                       f"rel vs default {r['max_rel_vs_default']:.1e}")
     result["compiled"] = compiled_kernels()
-    out_dir = Path(os.environ.get("OUT", "."))
-    (out_dir / "bench_attnres.json").write_text(json.dumps(result, indent=1, default=str))
+    write_json("bench_attnres", result)
 
     print(f"\nAttnRes mix, bf16, N={N}, D={D}: ms (median); roofline = bytes floor / time")
     print(f"{'M':>2} {'ref fwd':>8} {'fused fwd':>9} {'speedup':>7} {'roofline':>8} | "

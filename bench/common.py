@@ -128,8 +128,9 @@ def table(title: str, headers: list[str], rows: list[list]) -> str:
 
 
 def write_json(name: str, data: dict) -> Path:
-    out = Path(os.environ.get("OUT", "bench/results"))
+    """Write $OUT/NAME.json (OUT unset: out/bench/, which git ignores); returns the path."""
+    out = Path(os.environ.get("OUT", "out/bench"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2))
+    path.write_text(json.dumps(data, indent=2, default=str))
     return path
