@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
+from pathlib import Path
 
 import torch
 import triton
 from triton.testing import do_bench
 
-from bench.common import write_json
 from kimik3.ops.attnres import attn_res_mix
 from kimik3.ops.attnres import triton as fast
 from kimik3.ops.backend import use_backend
@@ -164,7 +166,9 @@ def main() -> None:
                 print(f"    {str(r['config']):25s} fwd {r['fwd_ms']:.3f}  bwd {r['bwd_ms']:.3f}  "
                       f"rel vs default {r['max_rel_vs_default']:.1e}")
     result["compiled"] = compiled_kernels()
-    write_json("bench_attnres", result)
+    out_dir = Path(os.environ.get("OUT", "out/bench"))  # out/ is git-ignored
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_attnres.json").write_text(json.dumps(result, indent=1, default=str))
 
     print(f"\nAttnRes mix, bf16, N={N}, D={D}: ms (median); roofline = bytes floor / time")
     print(f"{'M':>2} {'ref fwd':>8} {'fused fwd':>9} {'speedup':>7} {'roofline':>8} | "

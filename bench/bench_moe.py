@@ -13,11 +13,12 @@ routing touches over the measured copy bandwidth, and 2*N*A*3*F*L over the measu
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from bench.common import write_json
 from kimik3.ops.moe import grouped, triton_mxfp4
 from kimik3.ops.mxfp4 import decode, encode
 
@@ -112,8 +113,11 @@ def main() -> None:
                     f"{res['bf16_ms']:8.3f} {res['bf16_graph_ms']:8.3f} {res['bf16_ms'] / res['mx_ms']:6.2f}x "
                     f"{res['mem_floor_mx_ms']:7.3f} {res['mem_floor_bf16_ms']:7.3f} {res['flop_floor_ms']:7.3f} "
                     f"{floor / res['mx_graph_ms']:6.1%}")
-    out = write_json("bench_moe", dict(device=torch.cuda.get_device_name(), torch=torch.__version__, E=E, L=L, F=F,
-                                       A=A, copy_bw=COPY_BW, matmul=MATMUL, results=results))
+    os.makedirs(out_dir := os.environ.get("OUT", "out/bench"), exist_ok=True)  # out/ is git-ignored
+    out = os.path.join(out_dir, "bench_moe.json")
+    with open(out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, E=E, L=L, F=F, A=A,
+                       copy_bw=COPY_BW, matmul=MATMUL, results=results), f, indent=1)
     print("\n     N  touch   relerr    mx ms  mx grph  bf16 ms bf16 grph  bf/mx  mxmemF  bfmemF  flopF  "
           "mx/floor\n" + "\n".join(rows) + f"\n(json: {out})")
 
