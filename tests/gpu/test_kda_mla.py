@@ -57,17 +57,20 @@ def test_recurrent_kda_decode_with_state(dtype, tol):
 def test_chunk_kda_gradients():
     x = kda_inputs(1, 130, 2, 128, torch.bfloat16)
     h0 = torch.randn(1, 2, 128, 128, device=DEV)
-    grads = []
+    grads, outs = [], []
     for backend in ("auto", "torch"):
         leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point() and k not in ("A_log",))
                   for k, v in x.items()}
         h = h0.clone().requires_grad_()
         with use_backend(backend):
             o, s = chunk_kda_with_gate(**leaves, lower_bound=-5.0, initial_state=h, output_final_state=True)
+        outs.append((o.detach(), s.detach()))
         torch.manual_seed(0)
         (o.float() * torch.randn_like(o.float())).sum().add((s * torch.randn_like(s)).sum()).backward()
         grads.append({k: v.grad for k, v in {**leaves, "h0": h}.items() if v.grad is not None})
     errors = {name: rel_err(grads[0][name], grads[1][name]) for name in grads[1]}
+    (o, s), (o_ref, s_ref) = outs
+    print(f"forward: o {rel_err(o, o_ref):.2e} state {rel_err(s, s_ref):.2e}")
     print("grads:", " ".join(f"{name} {e:.2e}" for name, e in errors.items()))
     assert max(errors.values()) < 3e-2, errors
 
