@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench import bench_layer, bench_mla, bench_slice
+from bench import bench_layer, bench_mla, bench_situ, bench_slice
 from tests.conftest import REPO
 
 
@@ -18,6 +18,7 @@ from tests.conftest import REPO
                                   "MLA+MoE decode B=8", "MLA+MoE prefill T=128"}),
     (bench_slice, "bench_slice", {"prefill T=128 ours", "prefill T=64 reference", "decode B=1", "decode B=64"}),
     (bench_mla, "bench_mla", {"B=1 S=64", "B=4 S=64"}),
+    (bench_situ, "bench_situ", {"routed rows", "shared expert"}),
 ])
 def test_smoke_run_writes_its_results(bench, name, keys, tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
