@@ -122,7 +122,6 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
     return model
 
 
-
 def _meta_model(cfg: K3Config, dtype: torch.dtype, experts: str, with_vision: bool
                 ) -> K3ForConditionalGeneration:
     with torch.device("meta"):

@@ -6,9 +6,11 @@ a context variable, not module state: it is scoped to the `with` block and to th
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import cache
 
 from torch import Tensor
 
@@ -19,6 +21,12 @@ _backend: ContextVar[str] = ContextVar("kimik3_backend", default="auto")
 def use_fast(t: Tensor) -> bool:
     """True when an op on `t` should take its fast path: a CUDA tensor and no "torch" override."""
     return t.is_cuda and _backend.get() == "auto"
+
+
+@cache
+def has_triton() -> bool:
+    """Whether Triton is installed (the fused kernels' fast paths need it; it is imported only when used)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @contextmanager

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from functools import cache
-
 from torch import Tensor
 
 from kimik3.ops.attnres import reference
-from kimik3.ops.backend import use_fast
+from kimik3.ops.backend import has_triton, use_fast
 
 __all__ = ["attn_res_mix"]
-
-
-@cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def attn_res_mix(blocks: Tensor, partial: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float) -> Tensor:
@@ -35,7 +27,7 @@ def attn_res_mix(blocks: Tensor, partial: Tensor, norm_weight: Tensor, proj_weig
     On CUDA tensors (unless `kimik3.ops.backend.use_backend("torch")` is active) this runs the fused Triton
     kernels of `.triton` (one read of the sources per pass, no fp32 copies); otherwise `.reference`.
     """
-    if use_fast(partial) and _has_triton():
+    if use_fast(partial) and has_triton():
         from kimik3.ops.attnres import triton as fast  # lazily: triton exists only on GPU machines
 
         return fast.attn_res_mix(blocks, partial, norm_weight, proj_weight, eps)

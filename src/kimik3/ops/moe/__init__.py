@@ -8,12 +8,10 @@ with autograd recording a z that requires grad it takes the reference). Everythi
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from torch import Tensor
 
-from kimik3.ops.backend import use_fast
+from kimik3.ops.backend import has_triton, use_fast
 from kimik3.ops.moe import reference
 
 
@@ -51,7 +49,7 @@ def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packe
         scales: (w1, w3, w2) uint8 E8M0 scales [E, F, L/32], [E, F, L/32], [E, L, F/32].
         other arguments: as `routed_experts`.
     """
-    if (use_fast(z) and z.dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("triton")
+    if (use_fast(z) and z.dtype in (torch.bfloat16, torch.float16) and has_triton()
             and not (z.requires_grad and torch.is_grad_enabled())):
         from kimik3.ops.moe import triton_mxfp4
 

@@ -3,20 +3,12 @@ Triton kernel (forward and backward) on CUDA, the reference elsewhere."""
 
 from __future__ import annotations
 
-import importlib.util
-from functools import cache
-
 from torch import Tensor
 
-from kimik3.ops.backend import use_fast
+from kimik3.ops.backend import has_triton, use_fast
 from kimik3.ops.situ import reference
 
 __all__ = ["situ_glu"]
-
-
-@cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def situ_glu(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
@@ -36,7 +28,7 @@ def situ_glu(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tenso
     output once (the reference makes about a dozen fp32 passes), and the backward recomputes from the saved
     inputs in one more (the reference saves its fp32 intermediates).
     """
-    if use_fast(gate) and _has_triton() and gate.shape == up.shape and gate.dtype == up.dtype:
+    if use_fast(gate) and has_triton():
         from kimik3.ops.situ import triton as fast  # lazily: triton exists only on GPU machines
 
         return fast.situ_glu(gate, up, beta, linear_beta)
