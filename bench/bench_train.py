@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from bench.common import ceilings, profile_top, table, write_json  # noqa: E402
 from bench.train_parts import (attempt, build, correctness, counted, cpu_ceilings,  # noqa: E402
                                describe, free, fwd_bwd, make_batch, matmul_flops, release, short, time_fwd_bwd,
-                               time_optimizer, truth_check)
+                               time_optimizer, truth_check, TRUTH_FLOOR)
 from kimik3.model import K3ForCausalLM  # noqa: E402
 from kimik3.presets import load_config  # noqa: E402
 
@@ -102,6 +102,7 @@ def parse() -> argparse.Namespace:
     if args.smoke:
         args.config, args.tokens, args.device = "configs/tiny.json", 128, "cpu"
         args.check_tokens, args.compare_experts, args.warmup, args.rep = 64, 4, 1, 2
+        args.truth_experts = 3  # top-3 of 3 (tiny's k): every expert active, as top-16 of 16 at real dims
         os.environ.setdefault("OUT", tempfile.mkdtemp(prefix="bench_train_smoke_"))
     return args
 
@@ -261,6 +262,13 @@ def summarize(result: dict, flops: dict | None, rate: float, T: int) -> bool:
     for c in checks:
         print(f"check (fast vs reference ops, T={c['tokens']}): {'passed' if c['ok'] else 'FAILED'}, max rel "
               f"{max(r['rel'] for r in c['rows'].values()):.1e} (tolerance {c['tolerance']:.0e})", flush=True)
+    truth = result.get("truth") or {}
+    if "ok" in truth:
+        worst = max(r["auto"] / max(r["torch"], 1e-30) for r in truth["rows"].values())
+        print(f"verdict (fp32 truth, {truth['experts']} experts): {'passed' if truth['ok'] else 'FAILED'}, the fast "
+              f"path's error at most {worst:.2f}x the reference's (allowed {truth['factor']}x + {TRUTH_FLOOR:.0e})"
+              " -- this decides; the check above compares two bf16 runs", flush=True)
+        return truth["ok"]
     return all(c["ok"] for c in checks)
 
 

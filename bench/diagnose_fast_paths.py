@@ -5,6 +5,7 @@ an O(1) change of that token's output, so whole-model comparisons must count fli
 
     python bench/diagnose_fast_paths.py            # on a CUDA device
     python bench/diagnose_fast_paths.py --kda-only # only the KDA op sweep (forward, state, every gradient)
+    python bench/diagnose_fast_paths.py --test-draw # only test_chunk_kda_gradients' draw, in bf16 and fp32
 Not part of the package: a debugging aid for the GPU tests.
 """
 
@@ -64,8 +65,13 @@ def report(tag, out, ref, routes, ref_routes):
           f"{tok[ok].max() if ok.any() else float('nan'):.2e} worst pos {tok.argmax().item()}", flush=True)
 
 
-def main(kda_only: bool = False) -> None:
+def main(kda_only: bool = False, test_draw: bool = False) -> None:
     pytest_configure(None)  # KIMIK3_TEST_TRITON_FIRST_CONFIG=1: no autotuning (see tests/conftest.py)
+    if test_draw:
+        only("kda")
+        kda_test_draw(torch.bfloat16)
+        kda_test_draw(torch.float32)
+        return
     cfg = tiny_head64()
     torch.manual_seed(0)
     src = randomize(K3ForCausalLM(cfg, torch.float32), seed=51).eval()
@@ -108,18 +114,17 @@ def kda_op(dtype, H, K, with_h0, B, T, dht=True):
     kda_compare(x, w_o, w_s, f"kda {str(dtype)[6:]} B={B} T={T} H={H} K={K} h0={with_h0} dht={dht}")
 
 
-def kda_test_draw():
+def kda_test_draw(dtype=torch.bfloat16):
     """The exact inputs of tests/gpu/test_kda_mla.py::test_chunk_kda_gradients (its seeds, its draw order), here
     in a fresh process: tells a draw-dependent difference from one that needs the test process's history."""
     from tests.gpu.test_kda_mla import kda_inputs
 
     torch.manual_seed(1234)  # tests/conftest.py's autouse seed
-    x = kda_inputs(1, 130, 2, 128, torch.bfloat16)
+    x = kda_inputs(1, 130, 2, 128, dtype)
     x["initial_state"] = torch.randn(1, 2, 128, 128, device=DEV)
-    torch.manual_seed(0)
     w_o = torch.randn(1, 130, 2, 128, device=DEV)
     w_s = torch.randn(1, 2, 128, 128, device=DEV)
-    kda_compare(x, w_o, w_s, "kda bfloat16 B=1 T=130 H=2 K=128, test_chunk_kda_gradients' draw")
+    kda_compare(x, w_o, w_s, f"kda {str(dtype)[6:]} B=1 T=130 H=2 K=128, test_chunk_kda_gradients' draw")
 
 
 def kda_compare(x, w_o, w_s, tag):
@@ -135,9 +140,11 @@ def kda_compare(x, w_o, w_s, tag):
     grads = " ".join(f"d{n} {rel_err(gr[n], gr_r[n]):.1e}" for n in gr_r)
     print(f"{tag}: o {rel_err(o, o_r):.1e} (token max {tok.max():.1e}) state {rel_err(s, s_r):.1e} | {grads}",
           flush=True)
+    for name, g in (("auto", gr), ("torch", gr_r)):
+        print(f"  norms {name}:", " ".join(f"{n} {t.double().norm():.6e}" for n, t in g.items()), flush=True)
 
 
 if __name__ == "__main__":
     import sys
 
-    main(kda_only="--kda-only" in sys.argv[1:])
+    main(kda_only="--kda-only" in sys.argv[1:], test_draw="--test-draw" in sys.argv[1:])

@@ -68,5 +68,6 @@ def test_training_step_bench_smoke(tmp_path, monkeypatch):
     bench_train.main()
     data = json.loads((tmp_path / "bench_train_smoke.json").read_text())
     assert set(data["modes"]) == {"bf16", "fp32-master"} and all(m["check"]["ok"] for m in data["modes"].values())
+    assert data["truth"]["experts"] == 3 and data["truth"]["ok"], data["truth"]
     h = data["headline"]
     assert h["ms"] > h["fwd_bwd_ms"] > 0 and h["tokens_per_s"] > 0 and h["adamw_ms"] > 0
