@@ -38,7 +38,8 @@ def slice_24() -> K3Config:
     d = json.loads((CONFIGS / "slice-12.json").read_text())
     t = d["text_config"]
     t.update(num_hidden_layers=24, num_experts=896)
-    t["linear_attn_config"].update(kda_layers=[i for i in range(1, 25) if i % 4], full_attn_layers=[4, 8, 12, 16, 20, 24])
+    t["linear_attn_config"].update(kda_layers=[i for i in range(1, 25) if i % 4],
+                                   full_attn_layers=[4, 8, 12, 16, 20, 24])
     return K3Config.from_hf(d)
 
 
@@ -90,7 +91,8 @@ def main(smoke: bool = False) -> None:
         cache_bytes = sum(cache.nbytes().values())
         floor = (weight_bytes + cache_bytes) / ceil["copy_bytes_per_s"] * 1e3  # as bench_layer's roofline
         results[f"decode B={B} per rank"] = {"tokens_per_s": world * B * 1e3 / ms, "ms_per_step": ms,
-                                             "floor_ms": floor, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes}
+                                             "floor_ms": floor, "weight_bytes": weight_bytes,
+                                             "cache_bytes": cache_bytes}
         rows.append([f"decode B={B} x {world} ranks", f"{world * B * 1e3 / ms:,.0f}", f"{ms:.2f}", f"{floor:.2f}",
                      f"{ms / floor:.2f}x"])
     if rank == 0:

@@ -59,7 +59,8 @@ def main(smoke: bool = False, profile: bool = False):
             nbytes = dense_bytes(layer) + touched * expert_bytes(layer) + state + 4 * 2 * B * D * 5
             roof = nbytes / ceil["copy_bytes_per_s"] * 1e3
             results[f"{kind} decode B={B}"] = {"ms": ms, "bytes": nbytes, "roofline_ms": roof, "experts": touched}
-            rows.append([kind, f"decode B={B}", f"{ms:.3f}", f"{roof:.3f}", f"{ms / roof:.2f}x", f"{nbytes / 1e9:.2f} GB"])
+            rows.append([kind, f"decode B={B}", f"{ms:.3f}", f"{roof:.3f}", f"{ms / roof:.2f}x",
+                         f"{nbytes / 1e9:.2f} GB"])
         T = prefill
         x = torch.randn(1, T, D, device=DEVICE, dtype=torch.bfloat16)
         blocks1 = torch.randn(4, 1, T, D, device=DEVICE, dtype=torch.bfloat16)

@@ -107,7 +107,8 @@ def main() -> int:
     ok = all(v < TOL for v in worst.values())
     if rank == 0:
         table(f"parallel vs one process, {world} ranks ({dist.get_backend()}), fp32, worst over ranks",
-              ["check", "rel err", f"< {TOL:g}"], [[k, f"{v:.2e}", "yes" if v < TOL else "NO"] for k, v in worst.items()])
+              ["check", "rel err", f"< {TOL:g}"],
+              [[k, f"{v:.2e}", "yes" if v < TOL else "NO"] for k, v in worst.items()])
         write_json("check_parallel", {"env": {**environment(), "ranks": world, "backend": dist.get_backend()},
                                       "results": worst, "ok": ok})
     dist.barrier()

@@ -64,7 +64,8 @@ class DenseLM(nn.Module):
         T = ids.shape[1]
         doc = torch.searchsorted(cu_seqlens, torch.arange(ids.numel(), device=ids.device), right=True).view(rows, T)
         mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-        pos = torch.arange(T, device=ids.device) - (cu_seqlens[doc - 1] - torch.arange(rows, device=ids.device)[:, None] * T)
+        row_start = torch.arange(rows, device=ids.device)[:, None] * T
+        pos = torch.arange(T, device=ids.device) - (cu_seqlens[doc - 1] - row_start)
         inv = 10000 ** (-torch.arange(0, D // HEADS, 2, device=ids.device) / (D // HEADS))
         ang = pos[..., None].float() * inv
         cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]

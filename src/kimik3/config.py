@@ -294,7 +294,8 @@ def _text_from_hf(t: dict) -> TextConfig:
     _check(_get(t, "num_key_value_heads", w, heads) == heads, w + "num_key_value_heads",
            "must equal num_attention_heads (K3's MLA is MHA)")
 
-    kda_heads, kda_dim = _get(lac, "num_heads", w + "linear_attn_config."), _get(lac, "head_dim", w + "linear_attn_config.")
+    where = w + "linear_attn_config."
+    kda_heads, kda_dim = _get(lac, "num_heads", where), _get(lac, "head_dim", where)
     kda = KDAConfig(
         num_heads=kda_heads,
         head_dim=kda_dim,

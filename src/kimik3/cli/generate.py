@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in K3's chat format")
     p.add_argument("--no-think", action="store_true", help="chat with thinking off")
-    p.add_argument("--image", action="append", default=[], help="image file for the prompt (repeatable; implies --chat)")
+    p.add_argument("--image", action="append", default=[],
+                   help="image file for the prompt (repeatable; implies --chat)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print tokens as they come (default: when the output is a terminal)")
     p.add_argument("--parallel", choices=("tp", "ep"), default=None,
