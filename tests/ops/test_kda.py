@@ -85,6 +85,18 @@ def test_weak_decay_chunk_matches_recurrent():
     assert rel_err(o_c, o_r) < 1e-5 and rel_err(S_c, S_r) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_is_contiguous(dtype):
+    """[B, T, H, V] in memory order, like fla's output: the CUDA and CPU paths must not differ in layout (a
+    transposed view once made a test's `randn_like(o)` draw different cotangents on the two paths)."""
+    q, k, v, g, beta, _ = make_inputs(2, 9, 3, 4, 5, dtype)
+    for fn in FNS.values():
+        o = fn(q, k, v, g, beta)[0]
+        assert o.shape == (2, 9, 3, 5) and o.is_contiguous()
+    o = kda.chunk_kda_with_gate(q, k, v, g, beta.logit(), torch.zeros(3), torch.zeros(12), lower_bound=-5.0)[0]
+    assert o.is_contiguous()
+
+
 def test_final_state_only_when_asked():
     q, k, v, g, beta, _ = make_inputs(1, 5, 1, 4, 4)
     for fn in FNS.values():

@@ -131,7 +131,9 @@ def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
             pieces.append(oi)
             states.append(Si)
         o, S = torch.cat(pieces, dim=2), torch.cat(states, dim=0)
-    return o.transpose(1, 2).to(v.dtype), (S if output_final_state else None)
+    # contiguous [B, T, H, V] like fla's output: a transposed view would differ from the CUDA path in layout,
+    # which `view` and `*_like` (memory-order draws) expose
+    return o.transpose(1, 2).contiguous().to(v.dtype), (S if output_final_state else None)
 
 
 def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
