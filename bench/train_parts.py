@@ -12,7 +12,7 @@ import platform
 import time
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from bench.common import environment, median_ms, sync
 from kimik3.distributed.parallelize import apply_activation_checkpointing, decoder_layers
@@ -201,27 +201,30 @@ def probe_names(lm: nn.Module) -> dict[str, str]:
     return names
 
 
-def correctness(s: Setup, T: int, device: torch.device) -> dict:
-    """Loss and probe-gradient norms of one T-token step on the fast path vs `use_backend("torch")`."""
-    names = probe_names(s.lm)
+def probe_runs(s: Setup, batch, T: int, device: torch.device) -> dict[str, tuple[float, dict[str, Tensor]]]:
+    """backend ("auto": fast path, "torch": reference ops) -> (mean loss, {probe parameter name: gradient copy})
+    of one fwd+bwd on `batch` each (no balancing statistics); the model's gradients are cleared after."""
     params = dict(s.lm.named_parameters())
-    batch = make_batch(s.lm.config.vocab_size, T, device, packed=True, seed=1)
+    names = probe_names(s.lm).values()
     runs = {}
     for backend in ("auto", "torch"):
         with use_backend(backend):
             loss = float(fwd_bwd(s, batch, device, balance=False)) / T
-        runs[backend] = {"loss": loss, "grads": {k: params[n].grad.detach().clone() for k, n in names.items()}}
+        runs[backend] = (loss, {n: params[n].grad.detach().clone() for n in names})
     s.model.zero_grad(set_to_none=True)
-    s.balancer.step()  # drop the statistics of these two forwards
-    fast, ref = runs["auto"], runs["torch"]
-    rows = {"loss": {"fast": fast["loss"], "reference": ref["loss"],
-                     "rel": abs(fast["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)}}
-    for k, n in names.items():
-        a, b = fast["grads"][k], ref["grads"][k]  # kept in the gradients' dtype: the probes are GBs at K3 size
+    return runs
+
+
+def correctness(s: Setup, T: int, device: torch.device) -> dict:
+    """Loss and probe-gradient norms of one T-token step on the fast path vs `use_backend("torch")`."""
+    batch = make_batch(s.lm.config.vocab_size, T, device, packed=True, seed=1)
+    (loss, fast), (ref_loss, ref) = probe_runs(s, batch, T, device).values()
+    rows = {"loss": {"fast": loss, "reference": ref_loss, "rel": abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)}}
+    for n in list(fast):
+        a, b = fast.pop(n), ref.pop(n)  # kept in the gradients' dtype: the probes are GBs at K3 size
         na, nb = float(a.float().norm()), float(b.float().norm())
         rows[n] = {"fast": na, "reference": nb, "rel": abs(na - nb) / max(nb, 1e-30),
                    "rel_vector": float((a.float() - b.float()).norm()) / max(nb, 1e-30)}  # reported, not asserted
-        del fast["grads"][k], ref["grads"][k]
     ok = all(r["rel"] < CHECK_TOL for r in rows.values())
     return {"tokens": T, "tolerance": CHECK_TOL, "ok": ok, "rows": rows}
 
@@ -229,19 +232,12 @@ def correctness(s: Setup, T: int, device: torch.device) -> dict:
 def truth_check(cfg, T: int, device: torch.device, loss_chunk: int) -> dict:
     """How far each bf16 run is from the truth, for the loss and every probe gradient (relative error of the
     whole vector): the fast path and the reference ops on bf16 weights under bf16 autocast (as trained), the
-    truth being the same weights in fp32 on the reference ops without autocast. A report, not a verdict: the
-    expectation is a fast path about as accurate as the reference. Holds an fp32 copy and its gradients, so
-    run it on a reduced-expert copy of a real-dims config. ok: the fast path is within TRUTH_FACTOR of the
-    reference's error (+ TRUTH_FLOOR) in every row."""
+    truth being the same weights in fp32 on the reference ops without autocast. ok (the bf16 verdict): the fast
+    path's error is within TRUTH_FACTOR of the reference's (+ TRUTH_FLOOR) in every row. Holds an fp32 copy and
+    its gradients, so run it on a reduced-expert copy of a real-dims config."""
     s = build(cfg, "bf16", device, loss_chunk)
-    names = probe_names(s.lm)
     batch = make_batch(s.lm.config.vocab_size, T, device, packed=True, seed=1)
-    runs = {}
-    for backend in ("auto", "torch"):
-        with use_backend(backend):
-            loss = float(fwd_bwd(s, batch, device, balance=False)) / T
-        params = dict(s.lm.named_parameters())
-        runs[backend] = (loss, {k: params[n].grad.detach().clone() for k, n in names.items()})
+    runs = probe_runs(s, batch, T, device)
     t = build(cfg, "fp32-master", device, loss_chunk)
     t.lm.load_state_dict(s.lm.state_dict())  # the bf16 weights, exactly, in fp32
     release(s, device)
@@ -250,9 +246,9 @@ def truth_check(cfg, T: int, device: torch.device, loss_chunk: int) -> dict:
         true_loss = float(fwd_bwd(t, batch, device, precision="fp32", balance=False)) / T
     params = dict(t.lm.named_parameters())
     rows = {"loss": {b: abs(runs[b][0] - true_loss) / abs(true_loss) for b in runs}}
-    for k, n in names.items():
+    for n in runs["auto"][1]:
         truth = params[n].grad.float()
-        rows[n] = {b: float((runs[b][1][k].float() - truth).norm() / truth.norm().clamp_min(1e-30)) for b in runs}
+        rows[n] = {b: float((runs[b][1][n].float() - truth).norm() / truth.norm().clamp_min(1e-30)) for b in runs}
     release(t, device)
     ok = all(r["auto"] <= TRUTH_FACTOR * r["torch"] + TRUTH_FLOOR for r in rows.values())
     return {"tokens": T, "experts": cfg.moe.num_experts, "factor": TRUTH_FACTOR, "ok": ok, "rows": rows}

@@ -47,6 +47,14 @@ def init_distributed(device: str = "auto") -> DistEnv:
     return DistEnv(rank, world, local_rank, dev)
 
 
+def group_rank(group, caller: str) -> tuple[int, int]:
+    """(this rank, world size) in `group` (None: all ranks), for `caller`'s error when no group is initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{caller} needs an initialized torch.distributed process group (torchrun + "
+                         "init_distributed)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 def all_reduce(value: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """In place over all ranks (a no-op without a process group). Returns `value`."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from kimik3.checkpoint import load
 from kimik3.checkpoint.sharded import ExpertShard, slice_experts
+from kimik3.distributed.env import group_rank
 from kimik3.model.moe import LatentMoE
 
 # the forward of this rank's Experts / MXFP4Experts: (z [R, L], idx [R, 1], w [R, 1], beta, linear_beta) -> [R, L]
@@ -131,9 +132,7 @@ def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
     Raises:
         ValueError: no process group, or num_experts not divisible by the group size.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("expert parallelism needs an initialized torch.distributed process group")
-    slice_experts(model, dist.get_rank(group), dist.get_world_size(group))
+    slice_experts(model, *group_rank(group, "expert parallelism"))
     for moe in [m for m in model.modules() if isinstance(m, LatentMoE)]:
         if not getattr(moe.experts, "_kimik3_expert_parallel", False):
             # bound to the module (a deepcopy rebinds to the copy's experts); the group rides in the partial,
@@ -198,7 +197,5 @@ def load_expert_parallel(path: str | Path, group=None, **load_kwargs) -> nn.Modu
 
     `load_kwargs` are `load`'s (dtype, device, text_only, experts, quiet).
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("load_expert_parallel needs an initialized torch.distributed process group")
-    shard = (dist.get_rank(group), dist.get_world_size(group))
+    shard = group_rank(group, "load_expert_parallel")
     return apply_expert_parallel(load(path, expert_shard=shard, **load_kwargs), group)

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from kimik3.checkpoint.loader import load_sharded
 from kimik3.config import TextConfig
+from kimik3.distributed.env import group_rank
 from kimik3.model.cache import HybridCache
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.mla import MultiHeadLatentAttention
@@ -106,8 +107,12 @@ def _block(name: str, shape: tuple[int, ...], splits: dict[str, int], kda_heads:
 
 def _slice(name: str, t: Tensor, splits: dict[str, int], kda_heads: int, rank: int, world_size: int) -> Tensor:
     """Rank `rank`'s block of the module tensor `name` (replicated tensors are returned as they are)."""
-    block = _block(name, tuple(t.shape), splits, kda_heads, rank, world_size)
-    return t if block is None else t[block].clone()  # a copy: the full tensor's storage can be freed
+    return _cut(t, _block(name, tuple(t.shape), splits, kda_heads, rank, world_size))
+
+
+def _cut(t: Tensor, block: tuple[slice, ...] | None) -> Tensor:
+    """`t`'s block, copied (the full tensor's storage can then be freed); `t` itself where block is None."""
+    return t if block is None else t[block].clone()
 
 
 def tensor_block(key: str, shape: tuple[int, ...], cfg: TextConfig, rank: int, world_size: int
@@ -125,8 +130,7 @@ def tensor_block(key: str, shape: tuple[int, ...], cfg: TextConfig, rank: int, w
 def shard_tensor(key: str, tensor: Tensor, cfg: TextConfig, rank: int, world_size: int) -> Tensor:
     """Rank `rank`'s slice of one full-model tensor (`tensor_block` applied); replicated ones come back as they
     are. The slices of a full state_dict are exactly the state_dict of the model `shard_for_rank` makes."""
-    block = tensor_block(key, tuple(tensor.shape), cfg, rank, world_size)
-    return tensor if block is None else tensor[block].clone()
+    return _cut(tensor, tensor_block(key, tuple(tensor.shape), cfg, rank, world_size))
 
 
 def _rebuild(old: nn.Module, build: Callable[[], nn.Module], splits: dict[str, int], kda_heads: int, rank: int,
@@ -227,10 +231,7 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = No
     Every rank must call it on the same full model (same weights); each then holds its heads and MLP slices,
     and the same logits come out on every rank. Call it before moving to CUDA graphs or torch.compile.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("apply_tensor_parallel needs an initialized process group (torchrun + init_distributed)")
-
-    return shard_for_rank(model, dist.get_rank(group), dist.get_world_size(group), _all_reduce(group))
+    return shard_for_rank(model, *group_rank(group, "apply_tensor_parallel"), _all_reduce(group))
 
 
 def _all_reduce(group) -> Callable[[Tensor], None]:
@@ -248,9 +249,7 @@ def load_tensor_parallel(path: str | Path, group: dist.ProcessGroup | None = Non
     replicated tensors plus 1/W of the split ones. `load_kwargs`: `load`'s (dtype, device, text_only, experts,
     quiet).
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("load_tensor_parallel needs an initialized process group (torchrun + init_distributed)")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = group_rank(group, "load_tensor_parallel")
     full: list[TextConfig] = []
 
     def shard_model(model: nn.Module) -> None:
