@@ -129,6 +129,9 @@ class TextConfig:
         tie_word_embeddings: always False for K3 (the LM head is its own tensor).
         experts_quantization: "mxfp4" when routed experts are stored MXFP4-packed, else None (bf16).
         dtype: the checkpoint's compute dtype name ("bfloat16").
+        max_position_embeddings: the most tokens (prompt + generated) a sequence may hold, as trained
+            (K3 has no positional encoding, so nothing breaks past it; generation still stops there).
+            None when the config does not say.
     """
 
     vocab_size: int
@@ -149,12 +152,16 @@ class TextConfig:
     experts_quantization: str | None = None
     dtype: str = "bfloat16"
     initializer_range: float = 0.02
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.layer_types) == self.num_layers, "num_hidden_layers", "does not match the layer lists")
         _check(len(self.moe_layers) == self.num_layers, "num_hidden_layers", "does not match moe_layers")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "attn_res_block_size"):
             _check(getattr(self, name) > 0, name, "must be positive")
+        m = self.max_position_embeddings
+        _check(m is None or (isinstance(m, int) and not isinstance(m, bool) and m > 0), "max_position_embeddings",
+               f"must be a positive integer (got {m!r})")
         for cfg in (self.kda, self.mla, self.moe):
             for k, v in vars(cfg).items():
                 if isinstance(v, int) and not isinstance(v, bool):
@@ -348,6 +355,7 @@ def _text_from_hf(t: dict) -> TextConfig:
         experts_quantization="mxfp4" if fmt else None,
         dtype=t.get("dtype", t.get("torch_dtype", "bfloat16")),
         initializer_range=float(t.get("initializer_range", 0.02)),
+        max_position_embeddings=t.get("max_position_embeddings"),
     )
 
 
