@@ -39,7 +39,7 @@ class K3TextModel(nn.Module):
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False, dtype=dtype)
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
+    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
                 attention_mask: Tensor | None = None, step: CacheStep | None = None,
                 inputs_embeds: Tensor | None = None) -> Tensor:
         """input_ids [B, T] -> final hidden state [B, T, D] (see K3ForCausalLM.forward)."""
@@ -73,7 +73,7 @@ class K3ForCausalLM(nn.Module):
         self.model = K3TextModel(cfg, dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
-    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
+    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
                 attention_mask: Tensor | None = None, step: CacheStep | None = None,
                 inputs_embeds: Tensor | None = None) -> Tensor:
         """input_ids [B, T] int64 -> logits [B, T, Vocab] in the compute dtype.
@@ -88,7 +88,8 @@ class K3ForCausalLM(nn.Module):
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        return self.lm_head(self.model(input_ids, cu_seqlens, cache, attention_mask, step, inputs_embeds))
+        return self.lm_head(self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, attention_mask=attention_mask,
+                                          step=step, inputs_embeds=inputs_embeds))
 
     def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_length` tokens, on the model's device."""
@@ -139,13 +140,14 @@ class K3ForConditionalGeneration(nn.Module):
                              f"{feats_ND.shape[0]} tokens (per image: {tokens_per_image(grid_thws)})")
         return h_BTD.masked_scatter(slots_BT[..., None], feats_ND.to(h_BTD.dtype))
 
-    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
+    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
                 attention_mask: Tensor | None = None, step: CacheStep | None = None,
                 pixel_values: Tensor | None = None, grid_thws: Tensor | None = None) -> Tensor:
         """As K3ForCausalLM.forward; `pixel_values` [Npatch, 3, 14, 14] and `grid_thws` [Nimg, 3] (from
         `kimik3.vision.process_images`) splice images into the media-pad positions."""
         embeds = self.embed(input_ids, pixel_values, grid_thws) if pixel_values is not None else None
-        return self.language_model(input_ids, cu_seqlens, cache, attention_mask, step, embeds)
+        return self.language_model(input_ids, cu_seqlens=cu_seqlens, cache=cache, attention_mask=attention_mask,
+                                   step=step, inputs_embeds=embeds)
 
     def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
         return self.language_model.new_cache(batch_size, max_length)

@@ -2,7 +2,7 @@
 
 Legend: T tokens of one packed row, D hidden, V vocabulary, C chunk tokens.
 
-    h = model.model(input_ids, cu_seqlens)                       [1, T, D] final hidden state
+    h = model.model(input_ids, cu_seqlens=cu_seqlens)                 [1, T, D] final hidden state
     loss_sum = sum over chunks of  CE( float(lm_head(h[c])), labels[c] )   (sum over non-ignored tokens)
 
 Each chunk runs under `torch.utils.checkpoint`: forward keeps only the chunk's hidden rows (a view of h), and
@@ -64,5 +64,5 @@ class CausalLMLoss(nn.Module):
         self.lm, self.chunk_tokens = lm, chunk_tokens
 
     def forward(self, input_ids: Tensor, labels: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        hidden = self.lm.model(input_ids, cu_seqlens)
+        hidden = self.lm.model(input_ids, cu_seqlens=cu_seqlens)
         return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, self.chunk_tokens)
