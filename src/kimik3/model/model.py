@@ -96,9 +96,10 @@ class K3ForCausalLM(nn.Module):
         w = self.lm_head.weight
         return HybridCache(self.config, batch_size, max_length, w.dtype, w.device)
 
-    def init_weights(self, generator_seed: int | None = None) -> "K3ForCausalLM":
-        """Fresh training init (see `kimik3.model.init`). Returns self."""
-        init_weights(self, self.config.initializer_range, generator_seed)
+    def init_weights(self, seed: int | None = None) -> "K3ForCausalLM":
+        """Fresh training init (see `kimik3.model.init`), seeding torch's global generator when `seed` is given.
+        Returns self."""
+        init_weights(self, self.config.initializer_range, seed)
         return self
 
 
