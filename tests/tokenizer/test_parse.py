@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kimik3.tokenizer import ResponseParser, encode_chat, parse_response, parse_text
 
@@ -106,12 +108,17 @@ CALL = '<|open|>call tool="f" index="1"<|sep|><|open|>argument key="a" type="{}"
 
 
 @pytest.mark.parametrize("text, reasoning, content, remainder", [
-    ("r<|close|>response<|sep|>x", "r", "", "<|close|>response<|sep|>x"),
-    ("r<|close|>think<|sep|><|open|>response<|sep|>c<|open|>think<|sep|>more", "r", "c", "<|open|>think<|sep|>more"),
-    ("r<|close|>think<|sep|>junk<|open|>response<|sep|>c", "r", "", "junk<|open|>response<|sep|>c"),
-    ("r<|open|>resp<|close|>think<|sep|>", "r", "", "<|open|>resp<|close|>think<|sep|>"),
-    ("r<|close|>think<|sep|><|open|>response<|sep|>c<|end_of_msg|>z", "r", "c", "<|end_of_msg|>z"),
+    # an orphan response close ends the think channel; prose after it is outside any channel
+    ("r<|close|>response<|sep|>x", "r", "", "x"),
+    # a tag that makes no sense inside content is dropped, the channel goes on
+    ("r<|close|>think<|sep|><|open|>response<|sep|>c<|open|>think<|sep|>more", "r", "cmore", "<|open|>think<|sep|>"),
+    # prose right after the think close opens the response implicitly; the late open is then dropped
+    ("r<|close|>think<|sep|>junk<|open|>response<|sep|>c", "r", "junkc", "<|open|>response<|sep|>"),
+    # a header cut short by another marker is dropped
+    ("r<|open|>resp<|close|>think<|sep|>", "r", "", "<|open|>resp"),
+    ("r<|close|>think<|sep|><|open|>response<|sep|>c<|end_of_msg|>z", "r", "c", "z"),
     ("r<|close|>think<|sep|><|open|>response<|sep|>c<|sep|>", "r", "c", "<|sep|>"),
+    # a tools block that breaks (call never closed) goes to the remainder from the break on
     ("<|close|>think<|sep|><|open|>response<|sep|>c<|close|>response<|sep|><|open|>tools<|sep|>"
      + CALL.format("number", "1") + "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>", "", "c",
      CALL.format("number", "1") + "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"),
@@ -153,3 +160,109 @@ def test_fuzz_never_raises(tok):
         assert isinstance(p.remainder, str)
     with pytest.raises(ValueError, match="start_in"):
         ResponseParser(tok, start_in="tools")
+
+
+# The K3 output shapes other servers get wrong (serving research §2.4), as id streams. Each row: output text with
+# markers written literally, start_in, tools declared, (reasoning, content, tool names, complete).
+TOOLS = ('<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument key="a" type="number"<|sep|>'
+         '1<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>')
+CLOSE_MSG = "<|close|>message<|sep|><|end_of_msg|>"
+SHAPES = {
+    "normal": ("r<|close|>think<|sep|><|open|>response<|sep|>Hi<|close|>response<|sep|>" + TOOLS + CLOSE_MSG,
+               "think", True, ("r", "Hi", ["f"], True)),
+    "think close omitted before response (vllm#53246)": (
+        "r<|open|>response<|sep|>Hi<|close|>response<|sep|>" + TOOLS + CLOSE_MSG, "think", True,
+        ("r", "Hi", ["f"], True)),
+    "orphan response close (vllm#53246 as reported)": (
+        "r Hi<|close|>response<|sep|>" + TOOLS + CLOSE_MSG, "think", True, ("r Hi", "", ["f"], True)),
+    "message close without response close (vllm#51412)": (
+        "r<|close|>think<|sep|><|open|>response<|sep|>Hello" + CLOSE_MSG, "think", True, ("r", "Hello", [], True)),
+    "no think channel at all (sglang#33995)": (
+        "<|open|>response<|sep|>Hi<|close|>response<|sep|>" + CLOSE_MSG, "think", True, ("", "Hi", [], True)),
+    "think followed directly by tools (vllm#54273)": (
+        "r<|close|>think<|sep|>" + TOOLS + CLOSE_MSG, "think", True, ("r", "", ["f"], True)),
+    "think close omitted before tools": ("r" + TOOLS + CLOSE_MSG, "think", True, ("r", "", ["f"], True)),
+    "tools inside an unclosed response": (
+        "r<|close|>think<|sep|><|open|>response<|sep|>Hi" + TOOLS + CLOSE_MSG, "think", True,
+        ("r", "Hi", ["f"], True)),
+    "stopped mid tag (sglang#33183)": (
+        "r<|close|>think<|sep|><|open|>response<|sep|>Hi<|close|>respo", "think", True, ("r", "Hi", [], False)),
+    "stopped mid call": ("r<|close|>think<|sep|><|open|>response<|sep|>Hi<|close|>response<|sep|>" + TOOLS[:90],
+                         "think", True, ("r", "Hi", [], False)),
+    "tools block with no tools declared (sglang#39583)": (
+        "r<|close|>think<|sep|><|open|>response<|sep|>Hi<|close|>response<|sep|>" + TOOLS + CLOSE_MSG, "think",
+        False, ("r", "Hi", [], True)),
+    "thinking off": ("Hi<|close|>response<|sep|>" + TOOLS + CLOSE_MSG, "response", True, ("", "Hi", ["f"], True)),
+    "thinking off, the model thinks anyway": (
+        "<|close|>think<|sep|><|open|>response<|sep|>Hi" + CLOSE_MSG, "response", True, ("", "Hi", [], True)),
+    "end of message inside reasoning": ("r<|end_of_msg|>tail", "think", True, ("r", "", [], False)),
+}
+
+
+def _shape_ids(tok, text):
+    return tok.encode(text, allow_special=True)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_k3_output_shapes(tok, name):
+    text, start_in, tools, (reasoning, content, names, complete) = SHAPES[name]
+    p = parse_response(tok, _shape_ids(tok, text), start_in=start_in, tools=tools)
+    assert (p.reasoning_content, p.content, [c["name"] for c in p.tool_calls], p.complete) == (
+        reasoning, content, names, complete)
+    for marker in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "<|"):
+        assert marker not in p.reasoning_content + p.content
+    assert all(c["arguments"] == {"a": 1} and c["id"] == f"call_{k}" for k, c in enumerate(p.tool_calls, 1))
+    assert p.dropped_tool_calls == (0 if tools or "tools<|sep|>" not in text else 1)
+
+
+def _split_parse(tok, ids, cuts, **kw):
+    """Feed ids in the pieces given by `cuts`; returns (concatenated deltas, finish())."""
+    parser = ResponseParser(tok, **kw)
+    reasoning, content, calls, pos = "", "", [], 0
+    for cut in sorted(cuts) + [len(ids)]:
+        d = parser.feed(ids[pos:cut])
+        reasoning, content, calls, pos = reasoning + d.reasoning_content, content + d.content, calls + d.tool_calls, cut
+    return (reasoning, content, calls), parser.finish()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(sorted(SHAPES)), data=st.data())
+def test_any_split_of_the_id_stream_parses_the_same(tok, name, data):
+    text, start_in, tools, _ = SHAPES[name]
+    ids = _shape_ids(tok, text)
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=len(ids)))
+    whole = parse_response(tok, ids, start_in=start_in, tools=tools)
+    streamed, final = _split_parse(tok, ids, cuts, start_in=start_in, tools=tools)
+    assert final == whole
+    assert streamed == (whole.reasoning_content, whole.content, whole.tool_calls)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_split_point_and_prefix(tok, name):
+    """Exhaustive over single split points; every prefix parses to a prefix of the whole result."""
+    text, start_in, tools, _ = SHAPES[name]
+    ids = _shape_ids(tok, text)
+    whole = parse_response(tok, ids, start_in=start_in, tools=tools)
+    for k in range(len(ids) + 1):
+        streamed, final = _split_parse(tok, ids, [k], start_in=start_in, tools=tools)
+        assert final == whole and streamed == (whole.reasoning_content, whole.content, whole.tool_calls)
+        prefix = parse_response(tok, ids[:k], start_in=start_in, tools=tools)
+        assert whole.reasoning_content.startswith(prefix.reasoning_content)
+        assert whole.content.startswith(prefix.content)
+        assert whole.tool_calls[:len(prefix.tool_calls)] == prefix.tool_calls
+
+
+PIECES = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "think", "response", "tools", "message", "call",
+          ' tool="f"', "argument", ' key="a"', ' type="number"', "json", "1", "{}", "Hi", " ", "é"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(st.sampled_from(PIECES), max_size=40), start_in=st.sampled_from(["think", "response"]),
+       tools=st.booleans(), data=st.data())
+def test_random_structure_never_leaks_or_raises(tok, pieces, start_in, tools, data):
+    ids = _shape_ids(tok, "".join(pieces))
+    whole = parse_response(tok, ids, start_in=start_in, tools=tools)
+    assert "<|" not in whole.reasoning_content + whole.content
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=8))
+    streamed, final = _split_parse(tok, ids, cuts, start_in=start_in, tools=tools)
+    assert final == whole and streamed == (whole.reasoning_content, whole.content, whole.tool_calls)
