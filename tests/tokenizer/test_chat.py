@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kimik3.tokenizer import encode_chat, render_chat
+from kimik3.tokenizer import IMAGE_PLACEHOLDER, encode_chat, encode_chat_with_mask, image_prompt, render_chat
 
 EFFORT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
           "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
@@ -150,9 +150,23 @@ def test_tool_results_reordered_by_call_id():
     first = '<|open|>message role="tool" tool="get_weather" index="1"<|sep|>rain<|close|>message<|sep|>'
     second = '<|open|>message role="tool" tool="get_time" index="2"<|sep|>noon<|close|>message<|sep|>'
     assert first in out and second in out and out.index(first) < out.index(second)
-    msgs[2]["tool_call_id"] = "zz"
-    with pytest.raises(ValueError, match=r"messages\[2\].tool_call_id 'zz'"):
-        render_chat(msgs)
+
+
+def test_tool_result_with_unknown_id_rendered_as_given():
+    """An id that matches no call: the run keeps its order (no partial sort), the unmatched result is named by its
+    own `tool`/`name` or by position, a matched one by its call (the released encoder's behaviour)."""
+    msgs = [{"role": "assistant", "content": "", "tool_calls": _calls()},
+            {"role": "tool", "tool_call_id": "zz", "content": "noon"},
+            {"role": "tool", "tool_call_id": "c1", "name": "stale", "content": "rain"}]
+    out = render_chat(msgs, thinking=False, add_generation_prompt=False)
+    first = '<|open|>message role="tool" tool="get_weather" index="1"<|sep|>noon<|close|>message<|sep|>'
+    second = '<|open|>message role="tool" tool="get_weather" index="2"<|sep|>rain<|close|>message<|sep|>'
+    assert first in out and second in out and out.index(first) < out.index(second)
+    msgs[1]["tool"] = "get_time"
+    assert 'role="tool" tool="get_time" index="1"<|sep|>noon' in render_chat(msgs, thinking=False)
+    orphan = [{"role": "tool", "tool_call_id": "x", "tool": "lookup", "content": "r"}]  # no assistant before it
+    assert render_chat(orphan, thinking=False, add_generation_prompt=False) == (
+        '<|open|>message role="tool" tool="lookup" index="1"<|sep|>r<|close|>message<|sep|><|end_of_msg|>')
 
 
 def test_tool_results_positional_fallback():
@@ -202,4 +216,90 @@ def test_image_part_prompt(tok):
     want.close("message").S("<|end_of_msg|>").open("message", role="assistant").open("response")
     assert encode_chat(tok, msgs, thinking=False) == want.ids
     with pytest.raises(ValueError, match=r"messages\[0\].content\[1\] needs positive int 'width'"):
-        render_chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}])
+        render_chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "width": 3}]}])
+
+
+def test_unsized_image_renders_placeholder_text(tok):
+    """No processor ran: an image part without a size is the literal placeholder, which is not a token."""
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}},
+                                         {"type": "text", "text": "What is this?"}]}]
+    want = Ids(tok).open("message", role="user").T(IMAGE_PLACEHOLDER, "What is this?").close("message")
+    want.S("<|end_of_msg|>").open("message", role="assistant").open("response")
+    assert encode_chat(tok, msgs, thinking=False) == want.ids
+    assert not any(tok.is_special(i) for i in tok.encode(IMAGE_PLACEHOLDER))
+    # a placeholder typed in text stays text when there are no image prompts
+    typed = [{"role": "user", "content": f"see {IMAGE_PLACEHOLDER}"}]
+    assert f"see {IMAGE_PLACEHOLDER}<|close|>" in render_chat(typed)
+
+
+def test_placeholders_take_image_prompts_in_order(tok):
+    """With the processor's prompts, each unsized image part and each literal placeholder in text takes the next."""
+    prompts = [image_prompt(640, 480), image_prompt(32, 64), image_prompt(7, 9)]
+    msgs = [{"role": "user", "content": f"left {IMAGE_PLACEHOLDER} right {IMAGE_PLACEHOLDER}"},
+            {"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "image"},
+                                         {"type": "image", "width": 5, "height": 6}]}]  # sized: its own prompt
+    media = ["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"]
+
+    def img(ids, w, h):
+        return ids.S(media[0]).T(f"image {w}x{h}").S(*media[1:])
+
+    want = Ids(tok).open("message", role="user").T("left ")
+    img(want, 640, 480).T(" right ")
+    img(want, 32, 64).close("message").S("<|end_of_msg|>")
+    img(want.open("message", role="user").T("and"), 7, 9)
+    img(want, 5, 6).close("message").S("<|end_of_msg|>").open("message", role="assistant").open("response")
+    assert encode_chat(tok, msgs, thinking=False, image_prompts=prompts) == want.ids
+    # a user cannot forge media tokens: only the trusted prompts' markers are special
+    assert sum(i == tok.encode_special("<|media_pad|>") for i in want.ids) == 4
+
+
+def test_image_prompt_count_mismatch_names_both_counts():
+    msgs = [{"role": "user", "content": f"{IMAGE_PLACEHOLDER} {IMAGE_PLACEHOLDER}"},
+            {"role": "user", "content": [{"type": "image"}]}]
+    with pytest.raises(ValueError, match=r"more image placeholders than image prompts: 3 placeholders .* but 2 "
+                                         r"image_prompts"):
+        render_chat(msgs, image_prompts=[image_prompt(1, 1)] * 2)
+    with pytest.raises(ValueError, match=r"fewer image placeholders than image prompts: 3 placeholders .* but 4 "):
+        render_chat(msgs, image_prompts=[image_prompt(1, 1)] * 4)
+    assert render_chat(msgs, image_prompts=[image_prompt(1, 1)] * 3).count("<|media_pad|>") == 3
+
+
+def _conversation():
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    return [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Ask the tool.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+            {"role": "assistant", "content": "Rain.", "reasoning_content": "It said rain."},
+            {"role": "user", "content": "Thanks"},
+            {"role": "assistant", "content": "You're welcome."}]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_assistant_mask_is_what_generation_produces(tok, thinking):
+    """Each assistant turn's trained ids are exactly the ids that follow the generation prompt for that turn,
+    through <|end_of_msg|>; nothing else is trained."""
+    msgs = _conversation()
+    ids, mask = encode_chat_with_mask(tok, msgs, tools=[WEATHER], thinking=thinking, add_generation_prompt=False)
+    assert ids == encode_chat(tok, msgs, tools=[WEATHER], thinking=thinking, add_generation_prompt=False)
+    assert len(mask) == len(ids)
+    want = [False] * len(ids)
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prompt = encode_chat(tok, msgs[:i], tools=[WEATHER], thinking=thinking)
+        full = encode_chat(tok, msgs[:i + 1], tools=[WEATHER], thinking=thinking, add_generation_prompt=False)
+        assert full[:len(prompt)] == prompt == ids[:len(prompt)]
+        want[len(prompt):len(full)] = [True] * (len(full) - len(prompt))
+        assert full[-1] == tok.encode_special("<|end_of_msg|>")
+    assert mask == want
+    trained = [tok.decode([t]) if not tok.is_special(t) else tok.special_name(t) for t, m in zip(ids, mask) if m]
+    text = "".join(trained)
+    assert "Rain." in text and "You're welcome." in text and "get_weather" in text
+    assert "Oslo?" not in text and "Be brief." not in text and "rain<" not in text and "Thanks" not in text
+    assert ("It said rain.<|close|>think<|sep|>" in text) == thinking
+
+
+def test_assistant_mask_prompt_only(tok):
+    ids, mask = encode_chat_with_mask(tok, [{"role": "user", "content": "hi"}])
+    assert ids == encode_chat(tok, [{"role": "user", "content": "hi"}]) and not any(mask)

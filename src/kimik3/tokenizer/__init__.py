@@ -9,10 +9,11 @@ Streaming: `tok.stream_decoder()` for raw text, `ResponseParser(tok).feed(ids)` 
 """
 
 from .bpe import NUM_SPECIAL, PATTERN, SPECIAL_OFFSETS, StreamDecoder, Tokenizer, load_ranks
-from .chat import THINKING_EFFORTS, encode_chat, render_chat
+from .chat import IMAGE_PLACEHOLDER, THINKING_EFFORTS, encode_chat, encode_chat_with_mask, image_prompt, render_chat
 from .parse import Delta, ParsedResponse, ResponseParser, parse_response, parse_text
 
 __all__ = [
-    "NUM_SPECIAL", "PATTERN", "SPECIAL_OFFSETS", "THINKING_EFFORTS", "Delta", "ParsedResponse", "ResponseParser",
-    "StreamDecoder", "Tokenizer", "encode_chat", "load_ranks", "parse_response", "parse_text", "render_chat",
+    "IMAGE_PLACEHOLDER", "NUM_SPECIAL", "PATTERN", "SPECIAL_OFFSETS", "THINKING_EFFORTS", "Delta", "ParsedResponse",
+    "ResponseParser", "StreamDecoder", "Tokenizer", "encode_chat", "encode_chat_with_mask", "image_prompt",
+    "load_ranks", "parse_response", "parse_text", "render_chat",
 ]

@@ -13,23 +13,43 @@ released encoder's even where one joined string would tokenize differently.
 Layout: [tool-declare system msg] [thinking-effort system msg] messages... [tool-choice msg]
 [response-format msg] [generation prompt]. Every message is `<|open|>message k="v"...<|sep|> body
 <|close|>message<|sep|><|end_of_msg|>`.
+
+Images (spec §4.4): an image part with `width`/`height` renders its prompt `image_prompt(width, height)`. As in the
+released encoder, an image part without a size and a literal `<|kimi_image_placeholder|>` in message text each take
+the next of `image_prompts` (the processor's prompts, in order); with `image_prompts=None` (no processor ran) an
+unsized part renders the literal placeholder text and a placeholder in text stays text.
+
+Assistant mask (`encode_chat_with_mask`): which ids an SFT loss trains on. The released code publishes no mask, so
+this is our reading, chosen so training matches inference: an assistant turn's trained ids are exactly what the
+model generates after the generation prompt (`<|open|>message role="assistant"<|sep|>` + the opened `think`, or
+`response` without thinking): its reasoning, `<|close|>think<|sep|><|open|>response<|sep|>`, the content, any
+tool calls, `<|close|>message<|sep|>` and `<|end_of_msg|>` (the stop id, so the model learns to end its turn).
+Everything else (system, user and tool messages, internal system messages, each assistant header) is context.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from .bpe import Tokenizer
 
-__all__ = ["THINKING_EFFORTS", "encode_chat", "render_chat"]
+__all__ = ["IMAGE_PLACEHOLDER", "THINKING_EFFORTS", "encode_chat", "encode_chat_with_mask", "image_prompt",
+           "render_chat"]
 
-Segment = tuple[str, bool]  # (text, is_special)
+PLAIN, SPECIAL, MARKUP = 0, 1, 2  # ordinary text; one special token's name; trusted text whose specials count
+
+
+class Segment(NamedTuple):
+    text: str
+    kind: int  # PLAIN, SPECIAL or MARKUP (an image prompt: encoded with specials allowed, as the released encoder)
+    trained: bool = False  # inside an assistant turn's generated part (the SFT mask)
+
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
-MEDIA_BEGIN, MEDIA_CONTENT = "<|media_begin|>", "<|media_content|>"
-MEDIA_END, MEDIA_PAD = "<|media_end|>", "<|media_pad|>"
+# Not a vocabulary token: it BPE-splits into ordinary ids; engines and processors replace it (spec §4.4)
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 
 # {low, medium, high, max} is what the S1/S3 encoders accept; a vLLM copy of an older encoding_k3.py revision
 # lists {low, high, max} (spec §8 item 11). We follow S1/S3.
@@ -53,8 +73,50 @@ _JSON_ONLY = ("The system is invoked with `response_format={kind}`.\nYour respon
 _SCHEMA_TAIL = "\nThe JSON data must match the following schema:\n```json\n{json}\n```"
 
 
+def image_prompt(width: int, height: int) -> str:
+    """The K3 processor's prompt for one image of `width` x `height` source pixels (one pad; spec §4.4)."""
+    return f"<|media_begin|>image {width}x{height}<|media_content|><|media_pad|><|media_end|>"
+
+
 def _text(s: str) -> list[Segment]:
-    return [(s, False)] if s else []  # empty pieces encode to nothing; dropping them keeps renders identical
+    return [Segment(s, PLAIN)] if s else []  # empty pieces encode to nothing; dropping them keeps renders identical
+
+
+def _special(name: str) -> list[Segment]:
+    return [Segment(name, SPECIAL)]
+
+
+class _Images:
+    """Hands out `image_prompts` in order to unsized image parts and literal placeholders (the released encoder's
+    `_ImagePromptState`); counts every request so a mismatch can name both counts."""
+
+    def __init__(self, prompts: Sequence[str] | None):
+        if prompts is not None and not all(isinstance(p, str) for p in prompts):
+            raise ValueError("chat: image_prompts must be a list of str (one prompt per image)")
+        self.prompts, self.taken = (None if prompts is None else list(prompts)), 0
+
+    def next(self) -> list[Segment]:
+        if self.prompts is None:
+            return _text(IMAGE_PLACEHOLDER)
+        self.taken += 1
+        return [Segment(self.prompts[self.taken - 1], MARKUP)] if self.taken <= len(self.prompts) else []
+
+    def check(self) -> None:
+        if self.prompts is not None and self.taken != len(self.prompts):
+            more = "more" if self.taken > len(self.prompts) else "fewer"
+            raise ValueError(f"chat: {more} image placeholders than image prompts: {self.taken} placeholders (image "
+                             f"parts without a size, and {IMAGE_PLACEHOLDER} in text) but {len(self.prompts)} "
+                             "image_prompts")
+
+    def text(self, s: str) -> list[Segment]:
+        """Message text, each literal placeholder replaced by the next image prompt (when prompts were given)."""
+        if self.prompts is None or IMAGE_PLACEHOLDER not in s:
+            return _text(s)
+        pieces = s.split(IMAGE_PLACEHOLDER)
+        segs = _text(pieces[0])
+        for piece in pieces[1:]:
+            segs += self.next() + _text(piece)
+        return segs
 
 
 def _escape(value: Any) -> str:
@@ -62,18 +124,18 @@ def _escape(value: Any) -> str:
 
 
 def _open(tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> list[Segment]:
-    segs = [(OPEN, True), *_text(tag)]
+    segs = [*_special(OPEN), *_text(tag)]
     for key, value in attrs:
         segs += [*_text(f" {key}"), *_text('="'), *_text(_escape(value)), *_text('"')]
-    return segs + [(SEP, True)]
+    return segs + _special(SEP)
 
 
 def _close(tag: str) -> list[Segment]:
-    return [(CLOSE, True), *_text(tag), (SEP, True)]
+    return _special(CLOSE) + _text(tag) + _special(SEP)
 
 
 def _message(attrs: Sequence[tuple[str, Any]], body: list[Segment]) -> list[Segment]:
-    return _open("message", attrs) + body + _close("message") + [(END_OF_MSG, True)]
+    return _open("message", attrs) + body + _close("message") + _special(END_OF_MSG)
 
 
 def _system(kind: str, body: str) -> list[Segment]:
@@ -85,12 +147,12 @@ def _compact_sorted(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
 
 
-def _content(content: Any, where: str) -> list[Segment]:
+def _content(content: Any, where: str, images: _Images) -> list[Segment]:
     """A message's `content`: str, None, or a list of {"type": "text"} / {"type": "image"|"image_url"} parts."""
     if content is None:
         return []
     if isinstance(content, str):
-        return _text(content)
+        return images.text(content)
     if not isinstance(content, list):
         raise ValueError(f"chat: {where} must be a str, a list of parts or None, got {type(content).__name__}")
     segs: list[Segment] = []
@@ -100,14 +162,16 @@ def _content(content: Any, where: str) -> list[Segment]:
             raise ValueError(f"chat: {w} must be a dict part, got {type(part).__name__}")
         if part.get("type") in ("image", "image_url"):
             size = (part.get("width"), part.get("height"))
+            if size == (None, None):  # no processor ran: the next image prompt, or the literal placeholder
+                segs += images.next()
+                continue
             if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size):
                 raise ValueError(f"chat: {w} needs positive int 'width' and 'height' (the image's pixel size, "
-                                 f"spec §4.4), got {size}")
+                                 f"spec §4.4) or neither, got {size}")
             # one <|media_pad|> per image; the model expands it into the image's feature rows (spec §4.4)
-            segs += [(MEDIA_BEGIN, True), (f"image {size[0]}x{size[1]}", False), (MEDIA_CONTENT, True),
-                     (MEDIA_PAD, True), (MEDIA_END, True)]
+            segs.append(Segment(image_prompt(*size), MARKUP))
         elif isinstance(part.get("text"), str):
-            segs += _text(part["text"])
+            segs += images.text(part["text"])
         else:
             raise ValueError(f"chat: {w} must be an image part or carry a str 'text'")
     return segs
@@ -157,13 +221,15 @@ def _function(call: Any, where: str) -> dict:
     return fn
 
 
-def _assistant(msg: dict, where: str, thinking: bool) -> list[Segment]:
+def _assistant(msg: dict, where: str, thinking: bool, images: _Images) -> list[Segment]:
+    """An assistant message's body after its first channel's open tag (`think`, or `response` without thinking):
+    the part the model generates after the generation prompt. The caller adds that open tag."""
     segs: list[Segment] = []
     if thinking:  # the think channel is structural in thinking mode: always present, possibly empty
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-        body = _text(str(reasoning)) if reasoning is not None and str(reasoning).strip() else []
-        segs += _open("think") + body + _close("think")
-    segs += _open("response") + _content(msg.get("content"), f"{where}.content") + _close("response")
+        segs += images.text(str(reasoning)) if reasoning is not None and str(reasoning).strip() else []
+        segs += _close("think") + _open("response")
+    segs += _content(msg.get("content"), f"{where}.content", images) + _close("response")
     calls = msg.get("tool_calls")
     if calls:
         segs += _open("tools")
@@ -173,11 +239,11 @@ def _assistant(msg: dict, where: str, thinking: bool) -> list[Segment]:
             segs += _open("call", [("tool", fn["name"]), ("index", k)])
             args = _arguments(fn.get("arguments"), f"{w}.function.arguments")
             if isinstance(args, str):
-                segs += _open("json", [("type", "object")]) + _text(args) + _close("json")
+                segs += _open("json", [("type", "object")]) + images.text(args) + _close("json")
             else:
                 for key, value in args.items():
                     segs += (_open("argument", [("key", key), ("type", _xtml_type(value))])
-                             + _text(_xtml_value(value)) + _close("argument"))
+                             + images.text(_xtml_value(value)) + _close("argument"))
             segs += _close("call")
         segs += _close("tools")
     return segs
@@ -187,9 +253,9 @@ def _order_tool_results(messages: list[dict]) -> list[tuple[int, dict, str | Non
     """(original position, message, name of the matched call) with each run of tool results in call order.
 
     A result is matched to the most recent assistant's `tool_calls` by `tool_call_id == id`; the matched call's name
-    is authoritative. A run whose results all carry ids is stably sorted by call position; a run with an id-less
-    result keeps its order (positional matching). An id that matches no call is an error (the released encoder
-    silently keeps the run's order instead; a dangling id is almost always a caller bug).
+    is authoritative. A run whose results all match is stably sorted by call position. A run with a result that
+    matches no call (no id, or an id no call has) keeps its order and that result is rendered as given, named by
+    its own `tool`/`name` or else by position: the released encoder's behaviour.
     """
     out: list[tuple[int, dict, str | None]] = []
     calls: dict[str, tuple[int, str]] = {}
@@ -209,12 +275,7 @@ def _order_tool_results(messages: list[dict]) -> list[tuple[int, dict, str | Non
         run: list[tuple[int, dict, tuple[int, str] | None]] = []
         while i < len(messages) and messages[i]["role"] == "tool":
             call_id = messages[i].get("tool_call_id", messages[i].get("id"))
-            match = None
-            if call_id is not None:
-                match = calls.get(str(call_id))
-                if match is None:
-                    raise ValueError(f"chat: messages[{i}].tool_call_id {call_id!r} matches no tool_calls[].id of "
-                                     f"the preceding assistant message (ids: {sorted(calls)})")
+            match = calls.get(str(call_id)) if call_id is not None else None
             run.append((i, messages[i], match))
             i += 1
         if all(m is not None for _, _, m in run):
@@ -223,14 +284,16 @@ def _order_tool_results(messages: list[dict]) -> list[tuple[int, dict, str | Non
     return out
 
 
-def _tool_result(msg: dict, where: str, index: int, matched: str | None, calls: list | None) -> list[Segment]:
+def _tool_result(msg: dict, where: str, index: int, matched: str | None, calls: list | None,
+                 images: _Images) -> list[Segment]:
     name = matched or msg.get("tool") or msg.get("name")
     if name is None and calls and index <= len(calls):  # positional fallback: the index-th call of the assistant
         name = _function(calls[index - 1], f"tool_calls[{index - 1}]")["name"]
     if not name:
-        raise ValueError(f"chat: {where} needs a tool name: a tool_call_id matching a call, or 'tool'/'name'")
-    return _message([("role", "tool"), ("tool", name), ("index", index)], _content(msg.get("content"),
-                                                                                    f"{where}.content"))
+        raise ValueError(f"chat: {where} needs a tool name: a tool_call_id matching a call, 'tool'/'name', or a "
+                         "preceding assistant call at its position")
+    return _message([("role", "tool"), ("tool", name), ("index", index)],
+                    _content(msg.get("content"), f"{where}.content", images))
 
 
 def _response_format(response_format: Any) -> list[Segment]:
@@ -252,8 +315,9 @@ def _response_format(response_format: Any) -> list[Segment]:
 
 def build_segments(messages: Sequence[dict], *, tools: list | None = None, thinking: bool = True,
                    thinking_effort: str | None = "max", tool_choice: Any = None, response_format: Any = None,
-                   add_generation_prompt: bool = True) -> list[Segment]:
-    """The prompt as (text, is_special) segments; see `encode_chat` for the arguments."""
+                   add_generation_prompt: bool = True, image_prompts: Sequence[str] | None = None
+                   ) -> list[Segment]:
+    """The prompt as segments (text, kind, trained); see `encode_chat` for the arguments."""
     if thinking and thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
         raise ValueError(f"chat: thinking_effort must be one of {THINKING_EFFORTS} or None, got {thinking_effort!r}")
     if not (tool_choice is None or isinstance(tool_choice, dict) or tool_choice in ("auto", "required", "none")):
@@ -270,6 +334,7 @@ def build_segments(messages: Sequence[dict], *, tools: list | None = None, think
     if thinking and thinking_effort is not None:
         segs += _system("thinking-effort", _EFFORT_TEXT.format(effort=thinking_effort))
 
+    images = _Images(image_prompts)
     calls: list | None = None
     tool_index = 0
     for i, msg, matched in _order_tool_results(messages):
@@ -278,32 +343,37 @@ def build_segments(messages: Sequence[dict], *, tools: list | None = None, think
         if role == "system" and msg.get("tools"):  # mid-conversation tools: the "New Tools Available" declaration
             segs += _system("tool-declare", _NEW_TOOLS_TEXT.format(json=_compact_sorted(msg["tools"])))
         elif role in ("system", "user"):
-            segs += _message(named, _content(msg.get("content"), f"{where}.content"))
+            segs += _message(named, _content(msg.get("content"), f"{where}.content", images))
         elif role == "assistant":
             calls, tool_index = msg.get("tool_calls"), 0
-            segs += _message(named, _assistant(msg, where, thinking))
+            generated = _assistant(msg, where, thinking, images) + _close("message") + _special(END_OF_MSG)
+            segs += (_open("message", named) + _open("think" if thinking else "response")
+                     + [seg._replace(trained=True) for seg in generated])
         else:
             tool_index += 1  # 1-based position among the results rendered since the last assistant turn
-            segs += _tool_result(msg, where, tool_index, matched, calls)
+            segs += _tool_result(msg, where, tool_index, matched, calls, images)
 
     if isinstance(tool_choice, str) and tool_choice in _TOOL_CHOICE_TEXT:
         segs += _system("tool-choice", _TOOL_CHOICE_TEXT[tool_choice])
     segs += _response_format(response_format)
     if add_generation_prompt:
         segs += _open("message", [("role", "assistant")]) + _open("think" if thinking else "response")
+    images.check()
     return segs
 
 
 def encode_chat(tokenizer: Tokenizer, messages: Sequence[dict], *, tools: list | None = None, thinking: bool = True,
                 thinking_effort: str | None = "max", tool_choice: Any = None, response_format: Any = None,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, image_prompts: Sequence[str] | None = None) -> list[int]:
     """Token ids of a K3 prompt (no BOS, as the released encoder).
 
     Args:
         messages: OpenAI-style dicts. `role` system/user/assistant/tool; `content` str, None or a list of
-            {"type": "text", "text"} / {"type": "image", "width", "height"} parts; optional `name`; assistant
-            `reasoning_content` and `tool_calls` ([{id, type, function: {name, arguments: dict | JSON str}}]);
-            tool results `tool_call_id` (re-sorted into the preceding assistant's call order).
+            {"type": "text", "text"} / {"type": "image", "width", "height"} parts (size optional, see
+            `image_prompts`); optional `name`; assistant `reasoning_content` and `tool_calls` ([{id, type,
+            function: {name, arguments: dict | JSON str}}]); tool results `tool_call_id` (re-sorted into the
+            preceding assistant's call order when every result of the run matches a call; rendered as given
+            otherwise).
         tools: OpenAI tool definitions, declared as key-sorted compact JSON.
         thinking: thinking mode (think channel in assistant turns, prompt opens `think`); off opens `response`.
         thinking_effort: low/medium/high/max or None (no effort message); only used when thinking.
@@ -311,21 +381,37 @@ def encode_chat(tokenizer: Tokenizer, messages: Sequence[dict], *, tools: list |
             (the released encoder has no wording for a forced function).
         response_format: None, {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}.
         add_generation_prompt: end with the opened assistant message and channel.
+        image_prompts: the processor's prompt per image (e.g. `image_prompt(w, h)`), taken in order by image parts
+            without a size and by each literal `<|kimi_image_placeholder|>` in message text; None: no processor
+            ran (unsized parts render the placeholder text). Their number must equal the placeholders'.
 
     Raises:
-        ValueError: naming the offending field (bad role, image part without size, unknown effort, a tool_call_id
-            with no matching call, ...).
+        ValueError: naming the offending field (bad role, half-sized image part, unknown effort, a tool result
+            with no name, image prompts and placeholders that do not pair up, ...).
     """
-    segs = build_segments(messages, tools=tools, thinking=thinking, thinking_effort=thinking_effort,
-                          tool_choice=tool_choice, response_format=response_format,
-                          add_generation_prompt=add_generation_prompt)
+    return encode_chat_with_mask(tokenizer, messages, tools=tools, thinking=thinking, thinking_effort=thinking_effort,
+                                 tool_choice=tool_choice, response_format=response_format,
+                                 add_generation_prompt=add_generation_prompt, image_prompts=image_prompts)[0]
+
+
+def encode_chat_with_mask(tokenizer: Tokenizer, messages: Sequence[dict], **kwargs: Any
+                          ) -> tuple[list[int], list[bool]]:
+    """(ids, assistant_mask): `encode_chat`'s ids and, per id, whether an SFT loss trains on it.
+
+    Takes `encode_chat`'s keyword arguments. The mask is True on each assistant turn's generated part (the module
+    docstring says which ids and why), False elsewhere; a trained id is a label, so a loss predicts it from the
+    ids before it. Training data usually passes `add_generation_prompt=False`.
+    """
     ids: list[int] = []
-    for text, special in segs:
-        if special:
-            ids.append(tokenizer.encode_special(text))
-        else:
-            ids += tokenizer.encode(text)
-    return ids
+    mask: list[bool] = []
+    for text, kind, trained in build_segments(messages, **kwargs):
+        if kind == SPECIAL:
+            piece = [tokenizer.encode_special(text)]
+        else:  # image prompts are trusted markup: their <|media_*|> names become special ids
+            piece = tokenizer.encode(text, allow_special=kind == MARKUP)
+        ids += piece
+        mask += [trained] * len(piece)
+    return ids, mask
 
 
 def render_chat(messages: Sequence[dict], **kwargs: Any) -> str:
@@ -334,4 +420,4 @@ def render_chat(messages: Sequence[dict], **kwargs: Any) -> str:
     Takes the same keyword arguments as `encode_chat`. Note `tokenizer.encode(render_chat(...), allow_special=True)`
     may differ from `encode_chat` where BPE would merge across segment boundaries; `encode_chat` is the truth.
     """
-    return "".join(text for text, _ in build_segments(messages, **kwargs))
+    return "".join(seg.text for seg in build_segments(messages, **kwargs))
