@@ -1,5 +1,6 @@
-"""The shipped demo model (models/k3-shakespeare): released layout, exact match with its config, every K3
-feature on, deterministic greedy generation, and the README's first command with the model's sampling defaults."""
+"""The shipped demo model (package data: src/kimik3/demo/k3-shakespeare): released layout, exact match with its
+config, every K3 feature on, deterministic greedy generation, and the README's first command with the model's
+sampling defaults."""
 
 import json
 

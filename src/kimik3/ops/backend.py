@@ -29,6 +29,12 @@ def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@cache
+def has_fla() -> bool:
+    """Whether fla-core is installed (KDA's CUDA kernels; imported only when used)."""
+    return importlib.util.find_spec("fla") is not None
+
+
 @contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Run the block with `name` ("torch" = references everywhere, "auto" = fast paths on CUDA)."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kimik3.ops.backend import use_fast
+from kimik3.ops.backend import has_fla, use_fast
 
 from . import fla, reference
+from .reference import CHUNK_SIZE
 
-__all__ = ["chunk_kda", "chunk_kda_with_gate", "recurrent_kda", "recurrent_kda_with_gate"]
+__all__ = ["CHUNK_SIZE", "chunk_kda", "chunk_kda_with_gate", "chunk_kda_with_gate_checkpoints", "recurrent_kda",
+           "recurrent_kda_with_gate", "supports_checkpoints"]
 
 
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
@@ -103,9 +105,33 @@ def recurrent_kda_with_gate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
                       cu_seqlens=cu_seqlens)
 
 
+def supports_checkpoints(v: Tensor) -> bool:
+    """Whether `chunk_kda_with_gate_checkpoints` can run on tensors like `v` (the reference can; fla's
+    kernels keep their chunk states internal, so on CUDA a serving engine snapshots at chunk ends only)."""
+    return not use_fast(v)
+
+
+def chunk_kda_with_gate_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor,
+                                    dt_bias: Tensor, *, lower_bound: float, offsets: list[list[int]],
+                                    scale: float | None = None, initial_state: Tensor | None = None,
+                                    cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`chunk_kda_with_gate` that also returns the states at CHUNK_SIZE-grid `offsets` inside each sequence
+    (reference backend only, see `supports_checkpoints`): (o, final_state [N, H, K, V], checkpoints
+    [M, H, K, V] in (sequence, offset) order). Offsets count from each sequence's start in this call."""
+    if not supports_checkpoints(v):
+        raise ValueError("interior KDA checkpoints need the reference backend (fla keeps its chunk states)")
+    q, k, g, beta = reference.gate_inputs(q, k, g, beta, A_log, dt_bias, lower_bound)
+    return reference.chunk_kda_checkpoints(q, k, v, g, beta, offsets=offsets, scale=scale,
+                                           initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+
 def _with_gate(fast, ref, q, k, v, g, beta, A_log, dt_bias, lower_bound, **kw):
     """fla's fused kernel on CUDA; elsewhere the activations in torch, then the reference delta rule."""
     if use_fast(v):
+        if not has_fla():  # the reference is far slower on a GPU: never fall back to it silently
+            raise ImportError("KDA on CUDA runs fla-core's kernels, which are not installed: "
+                              "pip install 'kimik3[gpu]' (fla-core==0.6.0), or force the pure-torch reference "
+                              "with kimik3.ops.backend.use_backend('torch')")
         return fast(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, **kw)
     q, k, g, beta = reference.gate_inputs(q, k, g, beta, A_log, dt_bias, lower_bound)
     return ref(q, k, v, g, beta, **kw)

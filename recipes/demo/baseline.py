@@ -2,7 +2,7 @@
 parameter count as the demo K3 (20.5M), trained with the same recipe and the same token rows
 (configs/train/demo.toml: data order, batch, steps, AdamW, LR schedule, bf16 autocast, clipping).
 
-    python bench/demo_baseline.py --recipe configs/train/demo.toml --out baseline.json
+    python recipes/demo/baseline.py --recipe configs/train/demo.toml --out baseline.json
 Not part of the package: the comparison the demo's model card reports.
 """
 
