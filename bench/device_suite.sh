@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several device steps in one call, each under its own time limit with its own log, inside one overall budget.
 #   bash bench/device_suite.sh BUDGET_S STEP[:SECONDS[:ARGS]] ...   e.g. 560 tests:200 kda mla:60 layer:200:--profile
-# STEP: tests (pytest -m gpu; ARGS: paths), diag (bench/diagnose_fast_paths.py), or NAME for bench/bench_NAME.py; ARGS are
+# STEP: tests (pytest -m gpu; ARGS: paths), diag (tools/diagnose_fast_paths.py), or NAME for bench/bench_NAME.py; ARGS are
 # passed on, split at commas (so an argument cannot hold one): layer:200:--profile, train:400:--precision=bf16.
 # Logs (and the benches' JSON) go to $OUT (default ./out/device). A step is stopped with SIGINT, so pytest and
 # the benches print what they have. Triton's autotuning results (*.autotune.json, a few KB) are restored from
@@ -31,7 +31,7 @@ for spec in "$@"; do
         tests) [ ${#extra[@]} -eq 0 ] && extra=(tests)  # ARGS: the test paths (default: all)
                cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 -m pytest -m gpu -rf --durations=10
                     -p no:cacheprovider "${extra[@]}") ;;
-        diag) cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 bench/diagnose_fast_paths.py "${extra[@]}") ;;
+        diag) cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 -m tools.diagnose_fast_paths "${extra[@]}") ;;
         *) cmd=(python3 "bench/bench_$name.py" "${extra[@]}") ;;
     esac
     t0=$(date +%s)

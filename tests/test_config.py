@@ -4,7 +4,7 @@ import json
 import pytest
 
 from kimik3.config import K3Config
-from tests.conftest import CONFIGS
+from tests.helpers import CONFIGS
 
 
 def _hf(name: str) -> dict:

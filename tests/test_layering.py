@@ -1,52 +1,98 @@
-"""The import direction of design.md: config <- ops <- model <- checkpoint <- inference <- serve."""
+"""The import direction of design.md, checked on every file's real imports (absolute and relative).
+
+Inside the package the rooms form a fan, not a chain:
+
+    config <- ops <- model <- {checkpoint, inference, atlas} <- distributed <- train <- cli
+    tokenizer and vision (preprocessing) sit beside ops; serve sits on inference + tokenizer
+
+Outside it: nothing imports `tests/` but `tests/`; nothing in `src/` imports `bench/` or `tools/`; `bench/` and
+`tools/` never import `tests/`.
+"""
 
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "src" / "kimik3"
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "src" / "kimik3"
 
 # what each subpackage may import from kimik3 (itself always allowed)
 ALLOWED = {
     "config": set(),
     "presets": {"config"},
-    "ops": {"config"},
+    "testing": set(),
+    "ops": set(),
     "model": {"config", "ops"},
     "checkpoint": {"config", "ops", "model", "presets"},
-    "atlas": {"config", "ops", "model", "checkpoint"},
+    "atlas": {"config", "ops", "model", "checkpoint", "presets", "tokenizer"},
     "tokenizer": {"config"},
-    "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets"},
-    "serve": {"config", "inference", "tokenizer"},
-    "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets"},
-    "distributed": {"config", "ops", "model", "checkpoint"},
     "vision": {"config", "ops", "model"},
+    "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets"},
+    "serve": {"config", "ops", "model", "checkpoint", "inference", "tokenizer", "presets", "vision"},
+    "distributed": {"config", "ops", "model", "checkpoint"},
+    "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets"},
 }
+TOP_LEVEL = ("cli", "__init__", "__main__")  # the faces: may import anything in the package
 FORBIDDEN_EXTERNAL = {"model": {"triton", "torch.distributed"}, "config": {"torch"}}
 
 
-def _imports(path: Path) -> set[str]:
+def _module_name(path: Path) -> list[str]:
+    """Dotted parts of the module a file defines, e.g. src/kimik3/ops/kda/fla.py -> [kimik3, ops, kda, fla]."""
+    base = path.relative_to(PKG.parent if path.is_relative_to(PKG) else ROOT).with_suffix("")  # src/ or root
+    parts = list(base.parts)
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def imports(path: Path) -> set[str]:
+    """Every module a file imports, relative imports resolved against the file's own package."""
     names = set()
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path)[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                names.add(node.module or "")
+                continue
+            anchor = package[: len(package) - (node.level - 1)]
+            base = ".".join(anchor + ([node.module] if node.module else []))
+            names.add(base)
+            if not node.module:  # `from . import x` imports the submodules x
+                names.update(f"{base}.{a.name}" for a in node.names)
     return names
 
 
-def test_import_direction():
+def test_relative_imports_are_resolved():
+    # `from . import fla` in a package's __init__ and `from ..model import X` in a module both resolve
+    assert {"kimik3.ops.kda", "kimik3.ops.kda.fla"} <= imports(PKG / "ops" / "kda" / "__init__.py")
+    assert "kimik3.tokenizer.bpe" in imports(PKG / "tokenizer" / "chat.py")
+
+
+def test_import_direction_inside_the_package():
     bad = []
     for path in PKG.rglob("*.py"):
         rel = path.relative_to(PKG)
         area = rel.parts[0].removesuffix(".py")
-        if area in ("cli", "__init__", "__main__"):
+        if area in TOP_LEVEL:
             continue
-        assert area in ALLOWED, f"new area {area}: add it to ALLOWED"
-        for name in _imports(path):
+        assert area in ALLOWED, f"new area {area}: add it to ALLOWED (and to design.md's import direction)"
+        for name in imports(path):
             parts = name.split(".")
-            if parts[0] in ("tests", "bench"):
+            if parts[0] in ("tests", "bench", "tools", "recipes"):
                 bad.append((str(rel), name))
             if parts[0] == "kimik3" and len(parts) > 1 and parts[1] != area and parts[1] not in ALLOWED[area]:
                 bad.append((str(rel), name))
             if any(name == f or name.startswith(f + ".") for f in FORBIDDEN_EXTERNAL.get(area, ())):
                 bad.append((str(rel), name))
+    assert not bad, bad
+
+
+def test_outer_rooms():
+    """tests/ is imported only by tests/; src/ never imports bench/ or tools/; bench/ and tools/ not each other."""
+    rules = {"bench": {"tests", "tools"}, "tools": {"tests", "bench"}, "recipes": {"tests", "bench", "tools"}}
+    bad = []
+    for room, forbidden in rules.items():
+        for path in (ROOT / room).rglob("*.py") if (ROOT / room).exists() else ():
+            bad += [(str(path.relative_to(ROOT)), n) for n in imports(path) if n.split(".")[0] in forbidden]
+    for path in (ROOT / "tests").rglob("*.py"):
+        bad += [(str(path.relative_to(ROOT)), n) for n in imports(path) if n.split(".")[0] in ("bench", "tools")]
     assert not bad, bad

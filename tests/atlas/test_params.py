@@ -11,7 +11,7 @@ from kimik3.atlas import count_parameters
 from kimik3.checkpoint.keys import checkpoint_specs
 from kimik3.cli import main
 from kimik3.model import K3ForConditionalGeneration
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 INVENTORY = REPO / "tests" / "data" / "k3_tensors.json"
 

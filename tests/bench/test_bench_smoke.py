@@ -3,26 +3,32 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from bench import bench_layer, bench_mla, bench_situ, bench_slice
-from tests.conftest import REPO
+from tests.helpers import REPO, free_port
 
 
-@pytest.mark.parametrize("bench, name, keys", [
-    (bench_layer, "bench_layer", {"KDA+MoE decode B=1", "KDA+MoE decode B=64", "KDA+MoE prefill T=128",
+def _run(module: str, out, *args: str) -> None:
+    """`python -m bench.NAME ARGS` from the repository root, results to `out` (benchmarks are scripts: the tests
+    run them as a user does and never import them)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out), "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name, keys", [
+    ("bench_layer", {"KDA+MoE decode B=1", "KDA+MoE decode B=64", "KDA+MoE prefill T=128",
                                   "MLA+MoE decode B=8", "MLA+MoE prefill T=128"}),
-    (bench_slice, "bench_slice", {"prefill T=128 ours", "prefill T=64 reference", "decode B=1", "decode B=64"}),
-    (bench_mla, "bench_mla", {"B=1 S=64", "B=4 S=64"}),
-    (bench_situ, "bench_situ", {"routed rows", "shared expert"}),
+    ("bench_slice", {"prefill T=128 ours", "prefill T=64 reference", "decode B=1", "decode B=64"}),
+    ("bench_mla", {"B=1 S=64", "B=4 S=64"}),
+    ("bench_situ", {"routed rows", "shared expert"}),
 ])
-def test_smoke_run_writes_its_results(bench, name, keys, tmp_path, monkeypatch):
-    monkeypatch.setenv("OUT", str(tmp_path))
-    bench.main(smoke=True)
+def test_smoke_run_writes_its_results(name, keys, tmp_path):
+    _run(f"bench.{name}", tmp_path, "--smoke")
     data = json.loads((tmp_path / f"{name}.json").read_text())
     assert keys <= set(data["results"]) and data["env"]["gpu"].startswith("none")
     for value in data["results"].values():
@@ -33,11 +39,9 @@ def test_smoke_run_writes_its_results(bench, name, keys, tmp_path, monkeypatch):
 
 
 def _torchrun(script: list[str], out) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *script]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           *script]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
@@ -53,19 +57,15 @@ def test_ep_serving_smoke_on_two_gloo_ranks(tmp_path):
 
 def test_parallel_checks_pass_on_two_gloo_ranks(tmp_path):
     """check_parallel.py, the multi-GPU session's equivalence run, passes on CPU ranks (it exits 1 on a miss)."""
-    _torchrun(["bench/check_parallel.py"], tmp_path)
+    _torchrun(["tools/check_parallel.py"], tmp_path)
     data = json.loads((tmp_path / "check_parallel.json").read_text())
     assert data["ok"] and data["env"]["backend"] == "gloo" and len(data["results"]) == 4
 
 
-def test_training_step_bench_smoke(tmp_path, monkeypatch):
+def test_training_step_bench_smoke(tmp_path):
     """bench_train.py --smoke: the tiny model through the same phases (fwd+bwd, fast-vs-reference check,
     optimizer), both precisions, on the CPU."""
-    from bench import bench_train
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--smoke"])
-    bench_train.main()
+    _run("bench.bench_train", tmp_path, "--smoke")
     data = json.loads((tmp_path / "bench_train_smoke.json").read_text())
     assert set(data["modes"]) == {"bf16", "fp32-master"} and all(m["check"]["ok"] for m in data["modes"].values())
     assert data["truth"]["experts"] == 3 and data["truth"]["ok"], data["truth"]

@@ -14,7 +14,7 @@ from kimik3.checkpoint.inventory import without_vision
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.moe import pack_experts
-from tests.conftest import randomize
+from tests.helpers import randomize
 
 
 @pytest.fixture(scope="session")

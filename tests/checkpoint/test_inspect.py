@@ -15,7 +15,7 @@ from kimik3.checkpoint.safetensors_header import DTYPES, encode_header
 from kimik3.cli import main
 from tests.atlas.test_params import released_inventory
 from tests.checkpoint.conftest import copy_of, edit_json
-from tests.conftest import CONFIGS
+from tests.helpers import CONFIGS
 
 SHARDS = 96
 

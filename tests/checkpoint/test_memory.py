@@ -10,7 +10,7 @@ import torch
 from kimik3.checkpoint import save
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
-from tests.conftest import CONFIGS
+from tests.helpers import CONFIGS
 
 # torch's own: ~40 MB of modules (sympy among them) imported lazily by the first meta -> real allocation, and
 # the few temporaries of a cast or decode. Measured: 59 MB over the model, one largest tensor (17 MB) included.

@@ -15,7 +15,7 @@ from kimik3.model import K3ForCausalLM, K3ForConditionalGeneration
 from kimik3.model.moe import MXFP4Experts, pack_experts
 from kimik3.ops.mxfp4 import decode
 from tests.checkpoint.conftest import all_tensors, assert_state_equal, copy_of, edit_json
-from tests.conftest import CONFIGS, randomize
+from tests.helpers import CONFIGS, randomize
 
 IDS = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
 

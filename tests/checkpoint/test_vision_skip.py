@@ -13,7 +13,7 @@ from kimik3.checkpoint.safetensors_header import encode_header
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.moe import pack_experts
 from tests.checkpoint.conftest import assert_state_equal, copy_of, edit_json
-from tests.conftest import CONFIGS, randomize
+from tests.helpers import CONFIGS, randomize
 
 VISION = json.loads((CONFIGS / "tiny.json").read_text())["vision_config"]
 

@@ -13,7 +13,7 @@ from kimik3.cli import main
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.moe import pack_experts
-from tests.conftest import CONFIGS, randomize
+from tests.helpers import CONFIGS, randomize
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -36,7 +35,7 @@ from kimik3.distributed import expert_parallel as ep
 from kimik3.distributed.parallelize import parallelize
 from kimik3.model import K3ForCausalLM, K3ForConditionalGeneration
 from kimik3.model.moe import Experts, LatentMoE, MXFP4Experts, pack_experts
-from tests.conftest import CONFIGS, randomize
+from tests.helpers import CONFIGS, free_port, randomize
 
 T = 32  # tokens per row: enough that every expert's matmuls see >= 4 rows
 STEPS, LR, MOMENTUM, MAX_NORM = 2, 0.05, 0.9, 0.5
@@ -191,11 +190,6 @@ def _worker(rank: int, world: int, port: int, ckpt: str, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -208,7 +202,7 @@ def ranks(request, checkpoint) -> list[dict]:
     """Each rank's results of every scenario, for `request.param` gloo processes."""
     world = request.param
     queue = mp.get_context("spawn").Queue()
-    mp.start_processes(_worker, args=(world, _free_port(), str(checkpoint), queue), nprocs=world,
+    mp.start_processes(_worker, args=(world, free_port(), str(checkpoint), queue), nprocs=world,
                        start_method="spawn")
     got = dict(queue.get() for _ in range(world))
     return [got[r] for r in range(world)]

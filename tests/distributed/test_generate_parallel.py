@@ -7,22 +7,16 @@ demo's logits move by 2.3e-3 relative (measured), enough to change a sampled tok
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from kimik3.cli import main
-from tests.conftest import REPO
+from tests.helpers import REPO, free_port
 
 ARGS = ["--prompt", "ROMEO:", "--max-new-tokens", "16", "--device", "cpu"]
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("parallel, dtype", [("tp", "float32"), ("ep", "bfloat16")])
@@ -31,7 +25,7 @@ def test_two_ranks_print_what_one_process_prints(parallel, dtype, sampling, caps
     args = [*ARGS, "--dtype", dtype, *sampling]
     assert main(["generate", *args]) == 0
     want = capsys.readouterr().out
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "kimik3", "generate", *args, "--parallel", parallel]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -10,7 +10,6 @@ import copy
 import json
 import math
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -24,7 +23,7 @@ from kimik3.distributed.tensor_parallel import (apply_tensor_parallel, load_tens
                                                shard_for_rank, shard_tensor, tensor_block)
 from kimik3.model import K3ForCausalLM
 from kimik3.model.cache import KDAState
-from tests.conftest import CONFIGS, randomize, rel_err, spying_safe_open
+from tests.helpers import CONFIGS, free_port, randomize, rel_err, spying_safe_open
 
 
 def _config(**text) -> TextConfig:
@@ -155,11 +154,6 @@ def test_a_forward_that_records_autograd_is_refused():
         m(torch.zeros(1, 4, dtype=torch.long))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -185,7 +179,7 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_tensor_parallel_logits_equal_one_process(world, tmp_path):
     """The defining invariant under TP: full forward, and left-padded prefill + chunk + token-by-token decode
     with the per-rank caches, give one process's logits on every rank (fp32)."""
-    mp.start_processes(_tp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
+    mp.start_processes(_tp_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
     model = _model()
     V, pad = model.config.vocab_size, model.config.pad_token_id
     ids = torch.randint(0, V, (2, 37), generator=torch.Generator().manual_seed(5))
@@ -237,7 +231,7 @@ def test_load_tensor_parallel_reads_only_this_ranks_blocks(world, tmp_path):
     full = kimik3.model.K3ForConditionalGeneration(K3Config.from_hf(d), torch.float32)
     full.language_model.load_state_dict(_model().state_dict())
     path = kimik3.save(full, tmp_path / "ckpt", experts="bf16", dtype=torch.float32, quiet=True)
-    mp.start_processes(_load_worker, args=(world, _free_port(), str(path), str(tmp_path)), nprocs=world,
+    mp.start_processes(_load_worker, args=(world, free_port(), str(path), str(tmp_path)), nprocs=world,
                        start_method="spawn")
     ids = torch.randint(0, full.config.text.vocab_size, (2, 37), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

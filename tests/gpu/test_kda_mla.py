@@ -6,7 +6,7 @@ import torch
 from kimik3.ops.backend import use_backend
 from kimik3.ops.kda import chunk_kda_with_gate, recurrent_kda_with_gate
 from kimik3.ops.mla import mla_attention, mla_latent_attention
-from tests.conftest import rel_err
+from tests.helpers import rel_err
 
 DEV = "cuda"
 

@@ -11,7 +11,7 @@ from kimik3.config import K3Config
 from kimik3.inference import SamplingParams, generate
 from kimik3.inference.cuda_graph import GraphedDecoder
 from kimik3.model import K3ForCausalLM
-from tests.conftest import CONFIGS, randomize, rel_err
+from tests.helpers import CONFIGS, randomize, rel_err
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import torch
 from kimik3.model import K3ForCausalLM
 from kimik3.model.cache import KDAState, MLALatents
 from kimik3.model.mla import EXPANDED_FROM_TOKENS
-from tests.conftest import randomize, rel_err
+from tests.helpers import randomize, rel_err
 
 
 @pytest.fixture(scope="module")

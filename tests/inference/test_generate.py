@@ -5,7 +5,7 @@ import torch
 
 from kimik3.inference import Sampler, SamplingParams, generate, stream
 from kimik3.model import K3ForCausalLM
-from tests.conftest import randomize
+from tests.helpers import randomize
 
 
 class CharTokenizer:

@@ -13,7 +13,7 @@ from kimik3.model.moe import LatentMoE
 from kimik3.model.norm import GatedRMSNorm, RMSNorm
 from kimik3.ops.attnres import attn_res_mix
 from kimik3.ops.situ import situ_glu
-from tests.conftest import randomize, rel_err
+from tests.helpers import randomize, rel_err
 
 
 def test_rmsnorm_gain_after_downcast():

@@ -6,7 +6,7 @@ import torch
 from kimik3.model import K3ForCausalLM, K3ForConditionalGeneration
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.mla import MultiHeadLatentAttention
-from tests.conftest import randomize, rel_err
+from tests.helpers import randomize, rel_err
 
 
 def _mix(p, blocks, proj, norm):

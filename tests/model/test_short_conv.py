@@ -3,7 +3,7 @@
 import torch
 
 from kimik3.model.kda import ShortConvolution
-from tests.conftest import rel_err
+from tests.helpers import rel_err
 
 
 def definition(weight, x, starts):

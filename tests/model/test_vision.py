@@ -18,7 +18,7 @@ from kimik3.model.vision import (
     rope_2d_table,
     time_embedding,
 )
-from tests.conftest import REPO, randomize, rel_err
+from tests.helpers import REPO, randomize, rel_err
 
 F32_EPS = torch.finfo(torch.float32).eps
 

@@ -18,7 +18,7 @@ import torch
 
 from kimik3.ops.attnres import attn_res_mix, reference
 from kimik3.ops.backend import use_backend
-from tests.conftest import rel_err
+from tests.helpers import rel_err
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 EPS = 1e-5

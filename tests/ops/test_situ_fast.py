@@ -13,7 +13,7 @@ import torch
 from kimik3.ops import situ
 from kimik3.ops.backend import use_backend
 from kimik3.ops.situ import reference
-from tests.conftest import rel_err
+from tests.helpers import rel_err
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON and not torch.cuda.is_available():

@@ -5,7 +5,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kimik3.ops.vision_attn import reference, sdpa, vision_attention
-from tests.conftest import rel_err
+from tests.helpers import rel_err
 
 LENGTHS = [24, 1, 96, 35]
 

@@ -8,7 +8,7 @@ import torch
 from kimik3.model.moe import LatentMoE, Router
 from kimik3.train.balancing import (Balancer, histogram_quantile, load_metrics, qb_histogram, qb_update_exact,
                                     qb_update_from_histogram, route_with_cutoff, sign_update)
-from tests.conftest import randomize
+from tests.helpers import randomize
 
 pytestmark = pytest.mark.filterwarnings("ignore:quantile balancing with q")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kimik3.train.config import TrainConfig, from_dict, load_train_config
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 BASE = {"out_dir": "runs/x", "model": {"config": "tiny"}, "data": {"train": ["a.txt"]}, "train": {"steps": 3}}
 

@@ -12,7 +12,7 @@ from kimik3.model import K3ForCausalLM
 from kimik3.train.data import (IGNORE_INDEX, RowSampler, TokenStream, eval_batches, open_stream, pack_rows,
                                prepare_shards, step_batches)
 from kimik3.train.loss import CausalLMLoss
-from tests.conftest import randomize
+from tests.helpers import randomize
 
 EOS = 9
 BYTES = "configs/train/bytes.tiktoken"

@@ -8,7 +8,7 @@ import torch
 from kimik3.model import K3ForCausalLM
 from kimik3.train.data import IGNORE_INDEX
 from kimik3.train.loss import CausalLMLoss, chunked_cross_entropy, plain_cross_entropy
-from tests.conftest import randomize, rel_err
+from tests.helpers import randomize, rel_err
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1024])

@@ -18,7 +18,7 @@ from kimik3.train.checkpointing import list_checkpoints
 from kimik3.train.config import from_dict
 from kimik3.train.metrics import read_metrics
 from kimik3.train.step import autocast, keep_routers_fp32
-from tests.conftest import REPO, randomize
+from tests.helpers import REPO, randomize
 
 pytestmark = pytest.mark.filterwarnings("ignore:quantile balancing with q")
 BYTES = str(REPO / "configs/train/bytes.tiktoken")

@@ -6,7 +6,7 @@ compares, against the single-process model run in the same process:
         ones summed over ranks, each rank's expert slice (its experts see every rank's rows)
     TP  logits of the whole batch, and prefill + token-by-token decode through the per-rank caches
 
-    torchrun --nproc_per_node 8 bench/check_parallel.py        # GPUs (NCCL); CPU ranks use gloo
+    torchrun --nproc_per_node 8 tools/check_parallel.py        # GPUs (NCCL); CPU ranks use gloo
 Prints one table on rank 0, writes $OUT/check_parallel.json, exits 1 if a check misses its tolerance: fp32
 1e-5 relative (on GPUs, TF32 is off for these checks).
 """
@@ -29,7 +29,7 @@ from bench.common import CONFIGS, environment, table, write_json  # noqa: E402
 from kimik3.config import K3Config  # noqa: E402
 from kimik3.distributed import apply_expert_parallel, apply_tensor_parallel  # noqa: E402
 from kimik3.model import K3ForCausalLM  # noqa: E402
-from tests.conftest import randomize, rel_err  # noqa: E402
+from kimik3.testing import randomize, rel_err  # noqa: E402
 
 TOL = 1e-5
 

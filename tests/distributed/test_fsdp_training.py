@@ -8,7 +8,6 @@ bias of one process on all of them), and a checkpoint written by 2 ranks resumes
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -25,15 +24,12 @@ from kimik3.train.balancing import Balancer
 from kimik3.train.checkpointing import step_dir
 from kimik3.train.config import load_train_config
 from kimik3.train.metrics import read_metrics
-from tests.conftest import REPO
+from tests.helpers import REPO, free_port
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 pytestmark = pytest.mark.filterwarnings("ignore:quantile balancing with q")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scores(n: int = 96) -> torch.Tensor:
@@ -66,7 +62,7 @@ def _balancer_worker(rank: int, port: int, queue) -> None:
 def test_balancing_statistics_are_reduced_across_ranks():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_balancer_worker, args=(_free_port(), queue), nprocs=2, start_method="spawn")
+    mp.start_processes(_balancer_worker, args=(free_port(), queue), nprocs=2, start_method="spawn")
     got = dict(queue.get() for _ in range(2))
     single = _balance(_scores()).tolist()
     assert got[0] == single and got[1] == single and max(map(abs, single)) > 0
@@ -85,7 +81,7 @@ def _toml(tmp_path, name: str, accum: int, expert_parallel: bool = False, balanc
 
 
 def _torchrun(args: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "kimik3", "train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -23,7 +23,9 @@ from kimik3.model.mla import MultiHeadLatentAttention
 from kimik3.model.moe import LatentMoE
 from kimik3.ops.attnres import attn_res_mix
 from kimik3.ops.situ import situ_glu
-from tests.conftest import randomize, rel_err
+from tests.helpers import randomize, rel_err
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @contextlib.contextmanager

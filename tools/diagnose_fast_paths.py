@@ -3,9 +3,8 @@
 the number of tokens whose expert selection flipped in any MoE layer (a flip turns a rounding difference into
 an O(1) change of that token's output, so whole-model comparisons must count flips, not only errors).
 
-    python bench/diagnose_fast_paths.py            # on a CUDA device
-    python bench/diagnose_fast_paths.py --kda-only # only the KDA op sweep (forward, state, every gradient)
-    python bench/diagnose_fast_paths.py --test-draw # only test_chunk_kda_gradients' draw, in bf16 and fp32
+    python -m tools.diagnose_fast_paths            # on a CUDA device
+    python -m tools.diagnose_fast_paths --kda-only # only the KDA op sweep (forward, state, every gradient)
 Not part of the package: a debugging aid for the GPU tests.
 """
 
@@ -23,7 +22,7 @@ from kimik3.model.moe import Router
 from kimik3.ops.kda import chunk_kda_with_gate
 from kimik3.ops import backend
 from kimik3.ops.backend import use_backend
-from tests.conftest import pytest_configure, randomize, rel_err
+from kimik3.testing import randomize, rel_err, triton_first_config
 
 OPS = ("kda", "mla", "attnres", "moe")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,13 +64,8 @@ def report(tag, out, ref, routes, ref_routes):
           f"{tok[ok].max() if ok.any() else float('nan'):.2e} worst pos {tok.argmax().item()}", flush=True)
 
 
-def main(kda_only: bool = False, test_draw: bool = False) -> None:
-    pytest_configure(None)  # KIMIK3_TEST_TRITON_FIRST_CONFIG=1: no autotuning (see tests/conftest.py)
-    if test_draw:
-        only("kda")
-        kda_test_draw(torch.bfloat16)
-        kda_test_draw(torch.float32)
-        return
+def main(kda_only: bool = False) -> None:
+    triton_first_config()  # no autotuning minutes: correctness does not depend on the config
     cfg = tiny_head64()
     torch.manual_seed(0)
     src = randomize(K3ForCausalLM(cfg, torch.float32), seed=51).eval()
@@ -90,7 +84,6 @@ def main(kda_only: bool = False, test_draw: bool = False) -> None:
     # the KDA op alone, fla vs reference: forward, final state and every gradient, over head counts and dims;
     # first the shape of tests/gpu test_chunk_kda_gradients (bf16, B=1, T=130, H=2, K=128, initial state)
     only("kda")
-    kda_test_draw()
     bf, f32 = torch.bfloat16, torch.float32
     for dtype, B, T, H, K, h0, dht in (
             (bf, 1, 130, 2, 128, True, True), (bf, 1, 130, 2, 128, False, True), (bf, 1, 130, 2, 128, True, False),
@@ -114,19 +107,6 @@ def kda_op(dtype, H, K, with_h0, B, T, dht=True):
     kda_compare(x, w_o, w_s, f"kda {str(dtype)[6:]} B={B} T={T} H={H} K={K} h0={with_h0} dht={dht}")
 
 
-def kda_test_draw(dtype=torch.bfloat16):
-    """The exact inputs of tests/gpu/test_kda_mla.py::test_chunk_kda_gradients (its seeds, its draw order), here
-    in a fresh process: tells a draw-dependent difference from one that needs the test process's history."""
-    from tests.gpu.test_kda_mla import kda_inputs
-
-    torch.manual_seed(1234)  # tests/conftest.py's autouse seed
-    x = kda_inputs(1, 130, 2, 128, dtype)
-    x["initial_state"] = torch.randn(1, 2, 128, 128, device=DEV)
-    w_o = torch.randn(1, 130, 2, 128, device=DEV)
-    w_s = torch.randn(1, 2, 128, 128, device=DEV)
-    kda_compare(x, w_o, w_s, f"kda {str(dtype)[6:]} B=1 T=130 H=2 K=128, test_chunk_kda_gradients' draw")
-
-
 def kda_compare(x, w_o, w_s, tag):
     res = []
     for name in ("auto", "torch"):
@@ -147,4 +127,4 @@ def kda_compare(x, w_o, w_s, tag):
 if __name__ == "__main__":
     import sys
 
-    main(kda_only="--kda-only" in sys.argv[1:], test_draw="--test-draw" in sys.argv[1:])
+    main(kda_only="--kda-only" in sys.argv[1:])
