@@ -23,19 +23,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "src")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src")]  # runnable from a checkout under torchrun
 
-from bench.common import CONFIGS, environment, table, write_json  # noqa: E402
 from kimik3.config import K3Config  # noqa: E402
 from kimik3.distributed import apply_expert_parallel, apply_tensor_parallel  # noqa: E402
 from kimik3.model import K3ForCausalLM  # noqa: E402
+from kimik3.presets import resolve_config  # noqa: E402
 from kimik3.testing import randomize, rel_err  # noqa: E402
 
 TOL = 1e-5
 
 
 def _model(device: torch.device) -> K3ForCausalLM:
-    d = json.loads((CONFIGS / "tiny.json").read_text())
+    d = json.loads(resolve_config("tiny").read_text())
     d["text_config"]["linear_attn_config"].update(num_heads=4, head_dim=22)
     d["text_config"].update(num_attention_heads=4, num_key_value_heads=4)
     return randomize(K3ForCausalLM(K3Config.from_hf(d).text, torch.float32), seed=7).to(device)
@@ -106,11 +106,13 @@ def main() -> int:
     worst = {k: float(v) for k, v in worst.items()}
     ok = all(v < TOL for v in worst.values())
     if rank == 0:
-        table(f"parallel vs one process, {world} ranks ({dist.get_backend()}), fp32, worst over ranks",
-              ["check", "rel err", f"< {TOL:g}"],
-              [[k, f"{v:.2e}", "yes" if v < TOL else "NO"] for k, v in worst.items()])
-        write_json("check_parallel", {"env": {**environment(), "ranks": world, "backend": dist.get_backend()},
-                                      "results": worst, "ok": ok})
+        print(f"parallel vs one process, {world} ranks ({dist.get_backend()}), fp32, worst over ranks (< {TOL:g})")
+        for k, v in worst.items():
+            print(f"  {k:<24} {v:.2e}  {'ok' if v < TOL else 'MISSED'}")
+        out = Path(os.environ.get("OUT", "out/tools"))
+        out.mkdir(parents=True, exist_ok=True)
+        env = {"torch": torch.__version__, "device": str(device), "ranks": world, "backend": dist.get_backend()}
+        (out / "check_parallel.json").write_text(json.dumps({"env": env, "results": worst, "ok": ok}, indent=2))
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
