@@ -77,17 +77,19 @@ def test_bf16_expert_specs(tiny_config):
         checkpoint_specs(model, experts="fp8")
 
 
-def test_meta_build_is_fast_and_small():
-    code = ("import time, resource, torch\n"
+def test_meta_build_allocates_no_storage():
+    # what keeps the 2.78T-parameter build cheap, asserted without a clock: every tensor is on the meta device
+    # and the whole process (torch included) stays under 1 GiB of resident memory
+    code = ("import resource, torch\n"
             "from kimik3.presets import load_config\n"
             "from kimik3.model import K3ForConditionalGeneration\n"
-            "cfg = load_config('k3')\n"
-            "t = time.perf_counter()\n"
             "with torch.device('meta'):\n"
-            "    m = K3ForConditionalGeneration(cfg)\n"
-            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
-    seconds, rss = map(float, subprocess.check_output([sys.executable, "-c", code], text=True).split())
-    assert seconds < 2.0 and rss < 1 << 30, (seconds, rss)
+            "    m = K3ForConditionalGeneration(load_config('k3'))\n"
+            "tensors = [*m.parameters(), *m.buffers()]\n"
+            "print(len(tensors), sum(not t.is_meta for t in tensors),\n"
+            "      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
+    tensors, allocated, rss = map(int, subprocess.check_output([sys.executable, "-c", code], text=True).split())
+    assert tensors > 1000 and allocated == 0 and rss < 1 << 30, (tensors, allocated, rss)
 
 
 def test_params_cli_json(capsys):
