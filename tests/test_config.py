@@ -26,7 +26,7 @@ def test_released_config(k3_config):
     m = t.moe
     assert (m.num_experts, m.num_experts_per_token, m.expert_dim, m.latent_dim, m.shared_dim) == (896, 16, 3072,
                                                                                                3584, 6144)
-    assert (t.situ_beta, t.situ_linear_beta, t.experts_quantization) == (4.0, 25.0, "mxfp4")
+    assert (t.situ_beta, t.situ_linear_beta, k3_config.storage.experts) == (4.0, 25.0, "mxfp4")
     assert k3_config.eos_token_id == 163586 and k3_config.media_placeholder_token_id == 163605
     v = k3_config.vision
     assert (v.num_layers, v.hidden_size, v.num_heads, v.head_dim, v.intermediate_size) == (27, 1024, 12, 128, 4096)
@@ -70,7 +70,6 @@ def _mutate(path: list[str], value):
     (["text_config", "hidden_size"], KeyError, "hidden_size"),
     (["text_config", "linear_attn_config", "head_dim"], KeyError, "head_dim"),
     (["text_config", "linear_attn_config"], KeyError, "linear_attn_config"),
-    (["text_config", "moe_intermediate_size"], 100, "moe_intermediate_size"),  # MXFP4 groups of 32
     (["text_config", "num_key_value_heads"], 1, "num_key_value_heads"),
     (["text_config", "mla_use_nope"], False, "mla_use_nope"),
     (["text_config", "pad_token_id"], 300, "pad_token_id"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kimik3.checkpoint import load, save, writer
+from kimik3.checkpoint import folder, load, save, writer
 from kimik3.checkpoint.folder import CONFIG
 from tests.checkpoint.conftest import assert_state_equal
 
@@ -33,7 +33,7 @@ def test_crash_leaves_nothing(packed_model, tmp_path, monkeypatch):
 def test_killed_mid_write_leaves_no_loadable_folder(packed_model, tmp_path, monkeypatch):
     """Killed (no clean-up runs): only the hidden partial sibling remains, and the path does not load."""
     _fail_after_first_shard(monkeypatch)
-    monkeypatch.setattr(writer.shutil, "rmtree", lambda *args, **kwargs: None)
+    monkeypatch.setattr(folder.shutil, "rmtree", lambda *args, **kwargs: None)
     with pytest.raises(Boom):
         save(packed_model, tmp_path / "ck", max_shard_size="400KB")
     monkeypatch.undo()
@@ -57,7 +57,7 @@ def test_replace_existing_checkpoint(packed_model, dense_model, tmp_path):
     save(packed_model, path, max_shard_size="1GB")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     assert len(list(path.glob("*.safetensors"))) == 1  # no stale shards of the old checkpoint
-    assert_state_equal(packed_model, load(path, experts="mxfp4"))
+    assert_state_equal(packed_model, load(path, keep_experts_packed=True))
 
 
 def test_refuses_to_replace_what_is_not_a_checkpoint(dense_model, tmp_path):

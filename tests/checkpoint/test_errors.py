@@ -57,7 +57,8 @@ def test_bad_arguments(ck):
 
 def test_config_dtype_is_not_a_float(ck):
     edit_json(ck / "config.json", lambda c: c["text_config"].update(dtype="int8"))
-    with pytest.raises(ValueError, match=r"config\.json 'dtype' must be bfloat16, float32 or float16.*'int8'"):
+    with pytest.raises(ValueError, match=r"config\.json: config: 'text_config\.dtype' must be one of bfloat16, "
+                                         r"float32, float16, got 'int8'"):
         load(ck)
 
 

@@ -68,7 +68,7 @@ def test_released_inventory_has_no_differences(released):
 def test_inspect_cli(saved, capsys):
     assert main(["inspect", str(saved), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["ok"] and out["tensors"] == 466 and out["parameters"] == 1_491_576 and out["missing"] == []
+    assert out["ok"] and out["tensors"] == 466 and out["parameters"] == 1_491_992 and out["missing"] == []
     assert main(["inspect", str(saved)]) == 0
     assert "no differences from config.json" in capsys.readouterr().out
 
@@ -99,4 +99,4 @@ def test_tiny_counts(saved, packed_model):
     assert report.ok and report.experts == "mxfp4"
     logical = sum(t.numel() * (2 if n.endswith("_packed") else 0 if n.endswith("_scale") else 1)
                   for n, t in packed_model.state_dict().items())
-    assert report.parameters == logical == 1_491_576
+    assert report.parameters == logical == 1_491_992

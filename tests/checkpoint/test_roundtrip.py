@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 import kimik3
-from kimik3.checkpoint import load, save, vision_by_default
+from kimik3.checkpoint import load, save
 from kimik3.checkpoint.writer import _generation_config, parse_size
 from kimik3.config import K3Config
 from kimik3.checkpoint.inventory import without_vision
@@ -34,14 +34,14 @@ def test_dense_bf16_round_trip_and_logits(dense_model, tmp_path):
 
 
 def test_mxfp4_round_trip_keeps_the_bytes(packed_model, saved):
-    packed = load(saved, experts="mxfp4")
+    packed = load(saved, keep_experts_packed=True)
     assert isinstance(packed.language_model.model.layers[1].block_sparse_moe.experts, MXFP4Experts)
     assert_state_equal(packed_model, packed)
     assert torch.equal(_logits(packed), _logits(packed_model))
 
 
 def test_mxfp4_dequantize_is_the_exact_decode(packed_model, saved):
-    dense = load(saved)  # experts="dequantize"
+    dense = load(saved)  # keep_experts_packed=False
     want, got = packed_model.state_dict(), dense.state_dict()
     for name, t in got.items():
         if name.endswith("experts.w1") or name.endswith("experts.w2") or name.endswith("experts.w3"):
@@ -53,13 +53,13 @@ def test_mxfp4_dequantize_is_the_exact_decode(packed_model, saved):
 def test_bf16_checkpoint_loads_packed_by_encoding(dense_model, tmp_path):
     path = save(dense_model, tmp_path / "ck", experts="bf16")
     reference = pack_experts(randomize(K3ForConditionalGeneration(dense_model.config), seed=3))
-    assert_state_equal(reference, load(path, experts="mxfp4"))
+    assert_state_equal(reference, load(path, keep_experts_packed=True))
 
 
 def test_dense_model_saved_as_mxfp4_equals_packing_it(dense_model, tmp_path):
     path = save(dense_model, tmp_path / "ck", experts="mxfp4")
     reference = pack_experts(randomize(K3ForConditionalGeneration(dense_model.config), seed=3))
-    assert_state_equal(reference, load(path, experts="mxfp4"))
+    assert_state_equal(reference, load(path, keep_experts_packed=True))
 
 
 def test_packed_model_saved_as_bf16(packed_model, saved, tmp_path):
@@ -159,14 +159,3 @@ def test_text_only_load_of_a_config_with_vision(saved, tmp_path):
     assert not any(n.startswith(("vision_tower.", "mm_projector.")) for n in model.state_dict())
     with pytest.raises(ValueError, match="vision"):  # not implemented yet, or its tensors are missing
         load(path, text_only=False)
-
-
-def test_default_follows_vision_by_default(saved, tmp_path, tiny_config):
-    path = copy_of(saved, tmp_path / "ck")
-    vision = json.loads((CONFIGS / "tiny.json").read_text())["vision_config"]
-    edit_json(path / "config.json", lambda c: c.update(vision_config=vision))
-    if vision_by_default(tiny_config):
-        with pytest.raises(ValueError, match="vision_tower"):
-            load(path)
-    else:
-        assert_state_equal(load(path, text_only=True), load(path))

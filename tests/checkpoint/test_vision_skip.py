@@ -41,7 +41,7 @@ def with_vision(saved, tmp_path, tiny_config):
 
 
 def test_unreadable_vision_shard_loads_text_only(with_vision, packed_model):
-    assert_state_equal(packed_model, load(with_vision, experts="mxfp4", text_only=True))
+    assert_state_equal(packed_model, load(with_vision, keep_experts_packed=True, text_only=True))
     with pytest.raises(ValueError, match="past the end of their shard"):
         load(with_vision, text_only=False)
     report = inspect_checkpoint(with_vision)  # the inspector does look, and sees the damage
@@ -60,7 +60,7 @@ def test_vision_tensors_in_a_text_shard_are_never_read(saved, tmp_path, tiny_con
               lambda c: c["weight_map"].update({n: first.name for n in tensors}))
 
     read = tensors_read
-    assert_state_equal(packed_model, load(ck, experts="mxfp4", text_only=True))
+    assert_state_equal(packed_model, load(ck, keep_experts_packed=True, text_only=True))
     assert read and not [n for n in read if n.startswith(("vision_tower.", "mm_projector."))]
     assert inspect_checkpoint(ck).ok  # headers and the vision inventory agree
 
@@ -76,11 +76,11 @@ def test_vision_round_trip(vision_model, tmp_path, tiny_config):
     path = save(vision_model, tmp_path / "ck", max_shard_size="300KB")
     assert json.loads((path / "config.json").read_text())["vision_config"] == VISION
     assert inspect_checkpoint(path).ok
-    assert_state_equal(vision_model, load(path, text_only=False, experts="mxfp4"))
+    assert_state_equal(vision_model, load(path, text_only=False, keep_experts_packed=True))
     text = load(path, text_only=True)
     assert not any(n.startswith(("vision_tower.", "mm_projector.")) for n in text.state_dict())
 
 
 def test_default_load_includes_vision(vision_model, tmp_path):
     path = save(vision_model, tmp_path / "ck")
-    assert any(n.startswith("vision_tower.") for n in load(path, experts="mxfp4").state_dict())
+    assert any(n.startswith("vision_tower.") for n in load(path, keep_experts_packed=True).state_dict())

@@ -39,7 +39,7 @@ def test_every_k3_feature_is_on(model):
     c = model.config.text
     assert c.layer_types == ("kda",) * 3 + ("mla",) + ("kda",) * 2 + ("mla",) * 2  # 3:1, the last two MLA
     assert c.moe_layers == (False,) + (True,) * 7  # dense layer 0, latent MoE after
-    assert c.moe.num_experts >= 16 and c.moe.num_shared_experts == 1 and c.experts_quantization == "mxfp4"
+    assert c.moe.num_experts >= 16 and c.moe.num_shared_experts == 1 and model.config.storage.experts == "mxfp4"
     assert len(range(0, c.num_layers, c.attn_res_block_size)) >= 2  # at least two AttnRes blocks
 
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import gc
 import json
-from collections.abc import Iterator
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +26,9 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# the attribute `kimik3.load` sets on a model: the folder it came from (where `save` finds the tokenizer,
+# model card and generation_config.json to copy)
+LOADED_FROM = "loaded_from"
 
 
 @dataclass
@@ -150,3 +156,86 @@ def missing_shards_error(result: Scan) -> FileNotFoundError:
     more = f"\n  ... and {len(result.missing_shards) - 5} more" if len(result.missing_shards) > 5 else ""
     return FileNotFoundError(f"{result.folder.index}: names {len(result.missing_shards)} shard file(s) that do "
                              "not exist:\n" + "\n".join(lines) + more)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_atomically(path: str | Path, write: Callable[[Path], object],
+                       carry_over: Callable[[str], bool] = lambda name: False) -> Path:
+    """Create folder `path` by `write(tmp)` into a hidden sibling, then rename it into place.
+
+    The folder appears only when complete: `write` fills `.NAME.partial-<id>` (and fsyncs its files), every
+    folder in it and the parent are fsynced around the rename. An existing folder at `path` is moved aside to
+    `.NAME.old-<id>` first; entries of it that the new folder lacks and `carry_over(name)` accepts are moved
+    into the new one (so a checkpoint rewritten in place keeps the user's other files); the rest of the old
+    folder is deleted last. A crash leaves at most those hidden siblings, never a half-written folder at
+    `path`; an exception from `write` removes the partial folder and re-raises.
+
+    Returns:
+        `path`.
+    """
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            fsync_dir(d)
+        fsync_dir(tmp)
+        if not path.exists():
+            os.rename(tmp, path)
+            fsync_dir(path.parent)
+            return path
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+        os.rename(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for entry in sorted(old.iterdir()):
+        if carry_over(entry.name) and not (path / entry.name).exists():
+            os.rename(entry, path / entry.name)
+    shutil.rmtree(old)
+    return path
+
+
+def is_hidden_sibling(name: str) -> bool:
+    """A folder `publish_atomically` leaves behind only when killed: `.NAME.partial-<id>` or `.NAME.old-<id>`."""
+    return name.startswith(".") and (".partial-" in name or ".old-" in name)
+
+
+# written by `save` itself: never copied from a source folder, and replaced (not carried over) in place
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """config.json, the index and weight files: what a checkpoint writer writes and replaces."""
+    return name in (CONFIG, INDEX) or name.endswith(_WEIGHT_SUFFIXES)
+
+
+def companion_files(source: str | Path) -> list[Path]:
+    """The files that make a checkpoint folder usable besides its weights: tokenizer (`tiktoken.model`,
+    `tokenizer_config.json`, ...), model card (`MODEL_CARD.md` / `README.md`), `generation_config.json`,
+    processor and code files. That is every visible top-level file that is not config.json, the index or a
+    weights file. `source` may also be one such file (a tokenizer passed on its own)."""
+    source = Path(source)
+    if source.is_file():
+        return [source]
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source}: no such folder or file to copy the tokenizer and model card from")
+    return [p for p in sorted(source.iterdir())
+            if p.is_file() and not p.name.startswith(".") and not is_checkpoint_file(p.name)]
+
+
+def copy_durably(src: Path, dst: Path) -> None:
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as f:
+        os.fsync(f.fileno())

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimik3.checkpoint.folder import gc_paused, locate, scan
-from kimik3.checkpoint.inventory import Mismatch, compare, difference_lines, expected_specs, stored_experts
+from kimik3.checkpoint.inventory import (Mismatch, a_log_heads, compare, difference_lines, expected_specs,
+                                       padding_note)
 from kimik3.checkpoint.safetensors_header import NAMES, TensorEntry
-from kimik3.config import K3Config
+from kimik3.config import ExpertFormat, K3Config
 
 
 def logical_parameters(e: TensorEntry) -> int:
@@ -36,9 +37,10 @@ class InspectReport:
     tensor_bytes: int  # sum of the headers' data spans
     file_bytes: int  # sum of the shard file sizes (headers included)
     dtype: str  # config.json's dtype
-    experts: str  # "mxfp4" or "bf16", from config.json's quantization_config
+    experts: ExpertFormat  # from config.json's quantization_config
     problems: list[str] = field(default_factory=list)  # missing/corrupt/truncated shards, index disagreements
     mismatch: Mismatch = field(default_factory=Mismatch)
+    notes: list[str] = field(default_factory=list)  # what differs from what we write but loads (A_log padding)
 
     @property
     def ok(self) -> bool:
@@ -55,6 +57,7 @@ class InspectReport:
             "path": self.path, "ok": self.ok, "shards": self.shards, "tensors": self.tensors,
             "by_dtype": self.by_dtype, "parameters": self.parameters, "tensor_bytes": self.tensor_bytes,
             "file_bytes": self.file_bytes, "dtype": self.dtype, "experts": self.experts, "problems": self.problems,
+            "notes": self.notes,
             "missing": [spec(s) for s in self.mismatch.missing],
             "unexpected": [entry(e) for e in self.mismatch.unexpected],
             "wrong": [{"expected": spec(s), "found": entry(e)} for s, e in self.mismatch.wrong],
@@ -70,6 +73,7 @@ class InspectReport:
                f"  parameters  {self.parameters:,} (logical: an MXFP4 byte holds two, scale bytes none)",
                f"  bytes       {self.tensor_bytes:,} of tensor data, {self.file_bytes:,} in files",
                f"  config      dtype {self.dtype}, routed experts {self.experts}"]
+        out += [f"  note        {n}" for n in self.notes]
         if self.ok:
             return out + ["  no differences from config.json"]
         out += [f"  problem     {p}" for p in self.problems[:limit]]
@@ -104,6 +108,8 @@ def _inspect(path: str | Path) -> InspectReport:
             problems.append(f"{header.path}: truncated: {len(cut):,} tensors lie past its end "
                             f"({header.file_size:,} bytes; e.g. '{cut[0].name}' needs up to {cut[0].end:,})")
     expected = expected_specs(cfg, vision=cfg.vision is not None)
+    mismatch = compare(expected, result.tensors, a_log_heads(cfg))
+    note = padding_note(mismatch)
     return InspectReport(
         path=str(folder.path),
         shards=len(folder.shards),
@@ -112,8 +118,9 @@ def _inspect(path: str | Path) -> InspectReport:
         parameters=sum(logical_parameters(e) for e in tensors),
         tensor_bytes=sum(e.nbytes for e in tensors),
         file_bytes=sum(h.file_size for h in result.headers.values()),
-        dtype=cfg.text.dtype,
-        experts=stored_experts(cfg),
+        dtype=cfg.storage.dtype,
+        experts=cfg.storage.experts,
         problems=problems,
-        mismatch=compare(expected, result.tensors),
+        mismatch=mismatch,
+        notes=[note] if note else [],
     )

@@ -16,10 +16,36 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kimik3.config import EXPERT_FORMATS, ExpertFormat
+from kimik3.ops.mxfp4 import GROUP_SIZE
+
 TEXT_PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
-EXPERT_FORMATS = ("mxfp4", "bf16")
-MXFP4_GROUP = 32
+
+# text_config.quantization_config of a checkpoint whose routed experts are MXFP4 (the release's block, written
+# as is so that compressed-tensors readers such as vLLM and transformers read our folders as they read the release)
+RELEASED_QUANTIZATION: dict = {
+    "config_groups": {
+        "group_0": {
+            "format": "mxfp4-pack-quantized",
+            "input_activations": None,
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {
+                "actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP_SIZE,
+                "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8",
+                "strategy": "group", "symmetric": True, "type": "float", "zp_dtype": None,
+            },
+        }
+    },
+    "format": "mxfp4-pack-quantized",
+    "global_compression_ratio": None,
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+               "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
 
 _STACKED = re.compile(r"^(?P<head>.+\.block_sparse_moe\.experts)\.(?P<w>w[123])(?P<part>|_packed|_scale)$")
 _PER_EXPERT = re.compile(r"^(?P<head>.+\.block_sparse_moe\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\."
@@ -62,7 +88,8 @@ def checkpoint_prefix(model: nn.Module) -> str:
     return "" if hasattr(model, "language_model") else TEXT_PREFIX
 
 
-def expert_specs(name: str, shape: tuple[int, ...], dtype: torch.dtype, experts: str) -> Iterator[TensorSpec]:
+def expert_specs(name: str, shape: tuple[int, ...], dtype: torch.dtype, experts: ExpertFormat
+                 ) -> Iterator[TensorSpec]:
     """Unstack one stacked expert tensor into its per-expert checkpoint tensors.
 
     `name` is a dense `...experts.w1` [E, out, in] or a packed `...experts.w1_packed` [E, out, in/2] (whose
@@ -73,11 +100,14 @@ def expert_specs(name: str, shape: tuple[int, ...], dtype: torch.dtype, experts:
     E, out, inp = shape
     if m["part"] == "_packed":
         inp, dtype = inp * 2, torch.bfloat16
+    if experts == "mxfp4" and inp % GROUP_SIZE:
+        raise ValueError(f"{name}: MXFP4 experts need an input width that is a multiple of the group size "
+                         f"{GROUP_SIZE} (config routed_expert_hidden_size / moe_intermediate_size), got {inp}")
     for e in range(E):
         base = f"{m['head']}.{e}.{m['w']}"
         if experts == "mxfp4":
             yield TensorSpec(f"{base}.weight_packed", (out, inp // 2), torch.uint8)
-            yield TensorSpec(f"{base}.weight_scale", (out, inp // MXFP4_GROUP), torch.uint8)
+            yield TensorSpec(f"{base}.weight_scale", (out, inp // GROUP_SIZE), torch.uint8)
         else:
             yield TensorSpec(f"{base}.weight", (out, inp), dtype)
 
@@ -86,7 +116,7 @@ def is_stacked_expert(name: str) -> bool:
     return _STACKED.match(name) is not None
 
 
-def checkpoint_specs(model: nn.Module, experts: str = "mxfp4") -> list[TensorSpec]:
+def checkpoint_specs(model: nn.Module, experts: ExpertFormat = "mxfp4") -> list[TensorSpec]:
     """Every tensor the released layout holds for `model` (works on the meta device)."""
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")

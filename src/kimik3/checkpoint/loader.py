@@ -1,10 +1,15 @@
 """Streaming load of a checkpoint folder in the released layout into a `K3ForConditionalGeneration`.
 
     1. locate config.json + index + shards; read every shard header (no tensor data)
-    2. check the header set against the config: missing / unexpected / wrong shape or dtype -> one error
-    3. build on the meta device (MXFP4 experts: `pack_experts`), `to_empty(device)`: the final size, once
+    2. decide on the vision tower (text_only=None: load it when the shards hold it), then check the header
+       set against the config: missing / unexpected / wrong shape or dtype -> one error
+    3. build on the meta device (experts kept packed: `pack_experts`), `to_empty(device)`: the final size, once
     4. per shard (one open at a time), per tensor in file order: read, cast to the destination's dtype,
-       copy into place (a per-expert tensor into its slice of the stacked experts)
+       copy into place (a per-expert tensor into its slice of the stacked experts; an `A_log` of another
+       stored length: its first num_heads entries, the padding tail zeroed)
+
+Checkpoints of other implementations load: any `A_log` length >= num_heads, and a config.json that has a
+vision_config over shards without vision tensors (the usual text-only test checkpoint) loads as a text model.
 
 With `expert_shard=(rank, world)` the model holds only that rank's contiguous routed experts
 (`kimik3.checkpoint.sharded`); the whole header set is still checked, but other ranks' per-expert tensors
@@ -16,6 +21,8 @@ mapped file pages pile up in the process while a 16 GB shard is read.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -24,9 +31,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from kimik3.checkpoint.folder import Folder, gc_paused, locate, missing_shards_error, scan
-from kimik3.checkpoint.inventory import (compare, expected_specs, mismatch_error, parse_dtype, stored_dtype,
-                                       without_vision)
+from kimik3.checkpoint.folder import LOADED_FROM, Folder, Scan, gc_paused, locate, missing_shards_error, scan
+from kimik3.checkpoint.inventory import (a_log_heads, compare, expected_specs, mismatch_error, parse_dtype,
+                                       stored_dtype, without_vision)
 from kimik3.checkpoint.keys import is_vision_key, parse_expert_key
 from kimik3.checkpoint.progress import progress_bar, wanted
 from kimik3.checkpoint.safetensors_header import TensorEntry
@@ -36,17 +43,15 @@ from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.moe import pack_experts
 from kimik3.ops.mxfp4 import decode, encode
 
-EXPERT_MODES = ("dequantize", "mxfp4")
-
-
-def vision_by_default(cfg: K3Config) -> bool:
-    """What `text_only=None` means: a config with a vision part loads its tower and projector too."""
-    return cfg.vision is not None
+def has_vision_tensors(cfg: K3Config, tensor_names) -> bool:
+    """What `text_only=None` means: load the vision tower and projector when the config has a vision part AND
+    the shards hold any of its tensors (a partial set is then reported as missing tensors)."""
+    return cfg.vision is not None and any(is_vision_key(n) for n in tensor_names)
 
 
 def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-         text_only: bool | None = None, experts: str = "dequantize", quiet: bool = False,
-         expert_shard: tuple[int, int] | None = None) -> K3ForConditionalGeneration:
+         text_only: bool | None = None, keep_experts_packed: bool = False, quiet: bool = False,
+         expert_shard: tuple[int, int] | None = None, experts: str | None = None) -> K3ForConditionalGeneration:
     """Load a checkpoint folder (config.json, model.safetensors.index.json + shards, or model.safetensors).
 
     Args:
@@ -55,25 +60,29 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
             dt_bias, conv weights, o_norm; router correction bias) stay fp32: each tensor is cast to the
             dtype of the parameter or buffer it lands in.
         device: "cpu" or "cuda" (the model is allocated there once and filled tensor by tensor).
-        text_only: None = load the vision tower when the config has one; True skips the vision tower and
-            projector tensors without reading them; False loads them too (the config must have a vision part).
-        experts: "dequantize" expands MXFP4 routed experts exactly to `dtype`; "mxfp4" keeps them packed
-            (`MXFP4Experts`: the checkpoint bytes are copied, never decoded). Dense (`.weight`) experts load
-            into either; into "mxfp4" they are encoded, which is lossy unless they came from MXFP4.
+        text_only: None = load the vision tower when the config has one and the shards hold its tensors (a
+            config with a vision_config over text-only shards loads as a text model, with one line on stderr
+            saying so); True skips the vision tower and projector tensors without reading them; False loads
+            them too (the config must have a vision part and the shards all of its tensors).
+        keep_experts_packed: False expands MXFP4 routed experts exactly to `dtype`; True keeps them packed in
+            memory (`MXFP4Experts`: the checkpoint bytes are copied, never decoded). Dense (`.weight`) experts
+            load into either; kept packed they are encoded, which is lossy unless they came from MXFP4.
         quiet: no progress bar (it is shown only when stderr is a terminal anyway).
         expert_shard: (rank, world): keep and read only routed experts [rank*E/W, (rank+1)*E/W) of every
             MoE layer (expert parallelism; `kimik3.distributed.expert_parallel.load_expert_parallel`).
+        experts: deprecated spelling of keep_experts_packed ("mxfp4" = True, "dequantize" = False).
 
     Returns:
-        the model; `model(input_ids [B, T])` -> logits [B, T, vocab].
+        the model; `model(input_ids [B, T])` -> logits [B, T, vocab]. `model.loaded_from` is the folder.
 
     Raises:
         FileNotFoundError: missing folder, config.json, index, or a shard the index names.
         ValueError: bad arguments; corrupt or truncated shards; not a safetensors file; tensors missing,
             unexpected, or of the wrong shape/dtype for config.json. Nothing is allocated before the checks.
     """
-    return load_sharded(path, dtype=dtype, device=device, text_only=text_only, experts=experts, quiet=quiet,
-                        expert_shard=expert_shard)
+    return load_sharded(path, dtype=dtype, device=device, text_only=text_only,
+                        keep_experts_packed=keep_experts_packed, quiet=quiet, expert_shard=expert_shard,
+                        experts=experts)
 
 
 # this rank's block of a checkpoint tensor, given its name and full shape: index slices, or None for all of it
@@ -81,10 +90,10 @@ SliceOf = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
 
 
 def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-                 text_only: bool | None = None, experts: str = "dequantize", quiet: bool = False,
+                 text_only: bool | None = None, keep_experts_packed: bool = False, quiet: bool = False,
                  expert_shard: tuple[int, int] | None = None,
                  shard_model: Callable[[nn.Module], object] | None = None,
-                 slice_of: SliceOf | None = None) -> K3ForConditionalGeneration:
+                 slice_of: SliceOf | None = None, experts: str | None = None) -> K3ForConditionalGeneration:
     """`load` for parallel loaders (`kimik3.distributed`): the same checks and streaming fill, plus two hooks.
 
     `shard_model(model)` reshapes the model on the meta device into this rank's shards before anything is
@@ -92,8 +101,7 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
     index slices; None = all of it), which is read through safetensors' slices: only those bytes are read.
     Other arguments: as `load`.
     """
-    if experts not in EXPERT_MODES:
-        raise ValueError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
+    packed = _keep_packed(keep_experts_packed, experts)
     dtype = parse_dtype(dtype)
     device = _parse_device(device)
     if text_only not in (None, True, False):
@@ -104,14 +112,19 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
         cfg = K3Config.from_file(folder.config)
     except ValueError as e:  # name the file unless the config reader already did
         raise ValueError(str(e) if str(folder.config) in str(e) else f"{folder.config}: {e}") from None
-    dtype = dtype or stored_dtype(cfg)  # also rejects a config whose dtype is not a float type
-    with_vision = vision_by_default(cfg) if text_only is None else not text_only
-    if with_vision and cfg.vision is None:
-        raise ValueError(f"{folder.config}: text_only=False, but the config has no vision_config")
+    dtype = dtype or stored_dtype(cfg)
+    if text_only is False and cfg.vision is None:
+        raise ValueError(f"{folder.config}: text_only=False asks for the vision tower, but this is a text-only "
+                         "model (config.json has no vision_config); load it with text_only=None or True")
     shard = ExpertShard(*expert_shard, cfg.text.moe.num_experts) if expert_shard is not None else None
-    model = _meta_model(cfg if with_vision else without_vision(cfg), dtype, experts, with_vision)
     with gc_paused():
-        entries = _checked_entries(folder, cfg, with_vision)
+        result = _scanned(folder)
+        with_vision = has_vision_tensors(cfg, result.tensors) if text_only is None else not text_only
+        if text_only is None and cfg.vision is not None and not with_vision:
+            print(f"kimik3: {folder.path}: config.json has a vision_config but the shards hold no vision_tower/"
+                  "mm_projector tensors; loading the text model", file=sys.stderr)
+        entries = _checked_entries(folder, result, cfg, with_vision)
+    model = _meta_model(cfg if with_vision else without_vision(cfg), dtype, packed)
     if shard is not None:
         slice_experts(model, shard.rank, shard.world)
         entries = [e for e in entries if shard.reads(e.name)]
@@ -119,14 +132,29 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
         shard_model(model)
     model.to_empty(device=device)
     _fill(model, folder.path, entries, device, quiet, shard.start if shard is not None else 0, slice_of)
+    setattr(model, LOADED_FROM, folder.path)
     return model
 
 
-def _meta_model(cfg: K3Config, dtype: torch.dtype, experts: str, with_vision: bool
-                ) -> K3ForConditionalGeneration:
+def _keep_packed(keep_experts_packed: bool, experts: str | None) -> bool:
+    """keep_experts_packed, or the deprecated `experts="mxfp4"|"dequantize"` it replaces."""
+    if not isinstance(keep_experts_packed, bool):
+        raise ValueError(f"keep_experts_packed must be True or False, got {keep_experts_packed!r}")
+    if experts is None:
+        return keep_experts_packed
+    if experts not in ("mxfp4", "dequantize"):
+        raise ValueError(f"experts must be 'mxfp4' or 'dequantize' (deprecated: use keep_experts_packed=True or "
+                         f"False), got {experts!r}")
+    warnings.warn("load(experts=...) is deprecated: use keep_experts_packed=True (for 'mxfp4') or False "
+                  "(for 'dequantize'); 'experts' now names only how a checkpoint stores them (save, convert)",
+                  DeprecationWarning, stacklevel=4)
+    return experts == "mxfp4"
+
+
+def _meta_model(cfg: K3Config, dtype: torch.dtype, keep_experts_packed: bool) -> K3ForConditionalGeneration:
     with torch.device("meta"):
         model = K3ForConditionalGeneration(cfg, dtype)
-        if experts == "mxfp4":
+        if keep_experts_packed:
             pack_experts(model)
     state = model.state_dict(keep_vars=True)
     unfillable = [n for n, _ in model.named_buffers() if n not in state]
@@ -147,15 +175,20 @@ def _parse_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def _checked_entries(folder: Folder, cfg: K3Config, with_vision: bool) -> list[TensorEntry]:
-    """The header entries to read, after every check that needs no tensor data; raises on any problem."""
+def _scanned(folder: Folder) -> Scan:
+    """Every shard header of the folder; raises on missing shards or broken headers."""
     result = scan(folder)
     if result.missing_shards:
         raise missing_shards_error(result)
     if result.problems:
         raise ValueError(f"{folder.path}: broken checkpoint:\n  " + "\n  ".join(result.problems[:5]))
+    return result
+
+
+def _checked_entries(folder: Folder, result: Scan, cfg: K3Config, with_vision: bool) -> list[TensorEntry]:
+    """The header entries to read, after every check that needs no tensor data; raises on any problem."""
     found = {n: e for n, e in result.tensors.items() if with_vision or not is_vision_key(n)}
-    mismatch = compare(expected_specs(cfg, vision=with_vision), found)
+    mismatch = compare(expected_specs(cfg, vision=with_vision), found, a_log_heads(cfg))
     if mismatch:
         raise mismatch_error(str(folder.path), mismatch, cfg)
     truncated = [e for e in found.values() if e.end > result.headers[e.file].file_size]
@@ -205,6 +238,11 @@ def _place(state: dict[str, Tensor], name: str, t: Tensor, pending: dict[tuple[s
         key = replace(key, expert=key.expert - first_expert)  # the row in this rank's stacked experts
     if key is None:
         dst = state[name]
+        if dst.shape != t.shape:  # an A_log stored at another length (`compare` allowed only that): the heads
+            n = min(len(dst), len(t))
+            dst.zero_()
+            dst[:n].copy_(t[:n])
+            return dst.numel()
     elif key.part == "weight":  # a dense expert: straight in, or encoded into packed buffers
         base = key.stacked
         if base in state:

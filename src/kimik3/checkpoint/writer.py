@@ -4,6 +4,9 @@
     generation_config.json                 {"max_length": max_position_embeddings, "eos_token_id": eos}
     model.safetensors.index.json           {"metadata": {"total_size": bytes}, "weight_map": {tensor: shard}}
     model-00001-of-000096.safetensors ...  5-digit index, 6-digit total, as released (spec 3.1)
+    tiktoken.model, MODEL_CARD.md, ...     copied from the source folder (`source=`, default: the folder the
+                                           model was loaded from), so the folder is usable as it is; a source
+                                           generation_config.json replaces the written one
 
 Names and dtypes are `checkpoint_specs` of the model rebuilt on the meta device in the checkpoint dtype, so
 what `load` expects is exactly what is written. Shards are ordered like the release: decoder layers in order,
@@ -17,25 +20,23 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
-import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from kimik3.checkpoint.folder import CONFIG, GENERATION_CONFIG, INDEX
+from kimik3.checkpoint.folder import (CONFIG, GENERATION_CONFIG, INDEX, LOADED_FROM, companion_files,
+                                      copy_durably, is_checkpoint_file, publish_atomically)
 from kimik3.checkpoint.inventory import model_specs, parse_dtype, stored_dtype
-from kimik3.checkpoint.keys import EXPERT_FORMATS, TensorSpec, checkpoint_prefix, is_vision_key, parse_expert_key
+from kimik3.checkpoint.keys import (RELEASED_QUANTIZATION, TensorSpec, checkpoint_prefix, is_vision_key,
+                                    parse_expert_key)
 from kimik3.checkpoint.progress import progress_bar, wanted
 from kimik3.checkpoint.safetensors_header import encode_header
-from kimik3.config import K3Config, TextConfig
+from kimik3.config import EXPERT_FORMATS, ExpertFormat, K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.ops.mxfp4 import decode, encode
-from kimik3.presets import CONFIG_DIR
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -56,23 +57,30 @@ def parse_size(size: int | str) -> int:
                      f"got {size!r}")
 
 
-def save(model: nn.Module, path: str | Path, *, experts: str = "mxfp4", max_shard_size: int | str = "5GB",
-         dtype: torch.dtype | str | None = None, config: K3Config | None = None, quiet: bool = False) -> Path:
+def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4", max_shard_size: int | str = "5GB",
+         dtype: torch.dtype | str | None = None, config: K3Config | None = None,
+         source: str | Path | None = None, quiet: bool = False) -> Path:
     """Write `model` (K3ForConditionalGeneration or K3ForCausalLM) as a checkpoint folder at `path`.
 
     Args:
-        experts: "mxfp4" stores routed experts as released (`weight_packed` + `weight_scale`): dense experts
-            are encoded per expert (lossy unless they came from MXFP4), packed ones copied byte for byte.
-            "bf16" stores dense `weight` experts (packed ones decoded exactly) and drops quantization_config.
+        experts: how the routed experts are stored. "mxfp4" as released (`weight_packed` + `weight_scale`):
+            dense experts are encoded per expert (lossy unless they came from MXFP4), packed ones copied byte for
+            byte. "bf16" stores dense `weight` experts (packed ones decoded exactly) and drops
+            quantization_config.
         max_shard_size: shard size limit (a tensor larger than it gets a shard of its own).
         dtype: stored dtype of every tensor outside the fp32 islands; None = the config's (bfloat16). A
             model in another dtype is cast (so an fp32 model saved as bf16 is rounded).
         config: the K3Config for config.json; required for a K3ForCausalLM, which carries only its TextConfig.
+        source: a checkpoint folder whose tokenizer, model card, generation_config.json and other non-weight
+            files are copied into the new folder (or one file, e.g. a `tiktoken.model`); None = the folder
+            the model was loaded from (`model.loaded_from`, set by `kimik3.load`), if any.
         quiet: no progress bar (shown only when stderr is a terminal anyway).
 
-    The folder appears only when complete: everything is written to a hidden sibling, then renamed into
-    place (an existing checkpoint folder is moved aside first and deleted last). A crash leaves at most a
-    `.NAME.partial-*` or `.NAME.old-*` sibling, never a half-written folder at `path`.
+    The folder appears only when complete (`folder.publish_atomically`): everything is written to a hidden
+    sibling, then renamed into place. An existing checkpoint folder at `path` (even the source itself) is
+    replaced: its config.json, index and weight files go, every other file of it (a tokenizer, notes) is kept
+    unless the new folder brings its own. A crash leaves at most a `.NAME.partial-*` or `.NAME.old-*` sibling,
+    never a half-written folder at `path`.
 
     Returns:
         `path`.
@@ -84,14 +92,15 @@ def save(model: nn.Module, path: str | Path, *, experts: str = "mxfp4", max_shar
     dtype = parse_dtype(dtype) or stored_dtype(cfg)
     path = Path(path)
     _check_replaceable(path)
+    source = source if source is not None else getattr(model, LOADED_FROM, None)
+    companions = companion_files(source) if source is not None else []
 
     specs = sorted(model_specs(model, experts, dtype), key=_release_order)
     shards = _plan_shards(specs, limit)
     names = [f"model-{i + 1:05d}-of-{len(shards):06d}.safetensors" for i in range(len(shards))]
     with_vision = any(is_vision_key(s.name) for s in specs)
-    tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
+
+    def write(tmp: Path) -> None:
         produce = _Producer(model, checkpoint_prefix(model))
         total = sum(_nbytes(s) for s in specs)
         with progress_bar("saving", total, len(specs), wanted(quiet)) as advance:
@@ -101,11 +110,10 @@ def save(model: nn.Module, path: str | Path, *, experts: str = "mxfp4", max_shar
         _write_json(tmp / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         _write_json(tmp / CONFIG, _config_json(cfg, experts, dtype, with_vision))
         _write_json(tmp / GENERATION_CONFIG, _generation_config(cfg))
-        _publish(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+        for f in companions:
+            copy_durably(f, tmp / f.name)
+
+    return publish_atomically(path, write, carry_over=lambda name: not is_checkpoint_file(name))
 
 
 def _config_of(model: nn.Module, config: K3Config | None) -> K3Config:
@@ -117,14 +125,9 @@ def _config_of(model: nn.Module, config: K3Config | None) -> K3Config:
     if not cfg.hf:
         raise ValueError("save: the config has no HF dict to write as config.json; build it with "
                          "K3Config.from_file or K3Config.from_hf")
-    if _structure(cfg.text) != _structure(text):
+    if cfg.text != text:
         raise ValueError("save: config= does not describe the model (its text config differs)")
     return cfg
-
-
-def _structure(text: TextConfig) -> TextConfig:
-    """A TextConfig without the fields that describe storage rather than the model."""
-    return replace(text, experts_quantization=None, dtype="bfloat16")
 
 
 def _check_replaceable(path: Path) -> None:
@@ -132,17 +135,6 @@ def _check_replaceable(path: Path) -> None:
         raise ValueError(f"{path} exists and is not a folder; refusing to replace it")
     if path.is_dir() and any(path.iterdir()) and not (path / CONFIG).exists() and not (path / INDEX).exists():
         raise ValueError(f"{path} is a non-empty folder that is not a checkpoint; refusing to replace it")
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    """Rename the finished folder into place; an old one is moved aside first and deleted last."""
-    if not path.exists():
-        os.rename(tmp, path)
-        return
-    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old)
 
 
 def _release_order(spec: TensorSpec) -> tuple[int, int]:
@@ -215,15 +207,12 @@ class _Producer:
         return self._encoded[1] if key.part == "weight_packed" else self._encoded[2]
 
 
-def _released_quantization() -> dict:
-    return json.loads((CONFIG_DIR / "k3.json").read_text())["text_config"]["quantization_config"]
-
-
-def _config_json(cfg: K3Config, experts: str, dtype: torch.dtype, with_vision: bool) -> dict:
+def _config_json(cfg: K3Config, experts: ExpertFormat, dtype: torch.dtype, with_vision: bool) -> dict:
+    """config.json: the config's own dict with the storage record (dtype, quantization_config) as written."""
     hf = copy.deepcopy(cfg.hf)
     text = hf.get("text_config", hf)
     if experts == "mxfp4":
-        text.setdefault("quantization_config", _released_quantization())
+        text.setdefault("quantization_config", copy.deepcopy(RELEASED_QUANTIZATION))
     else:
         text.pop("quantization_config", None)
         hf.pop("quantization_config", None)  # a transformers-parsed config copies it up

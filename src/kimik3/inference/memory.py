@@ -39,7 +39,7 @@ def memory_report(cfg: K3Config, context: int, batch: int, dtype: torch.dtype | 
         raise ValueError(f"context and batch must be >= 1, got {context} and {batch}")
     with torch.device("meta"):
         model = K3ForConditionalGeneration(cfg, dtype)
-        if cfg.text.experts_quantization == "mxfp4":
+        if cfg.storage.experts == "mxfp4":
             pack_experts(model)
         one = HybridCache(cfg.text, 1, 1, model.language_model.lm_head.weight.dtype, "meta").nbytes()
     weights = sum(t.nbytes for t in model.state_dict().values())

@@ -20,8 +20,9 @@ from kimik3.model.norm import RMSNorm
 from kimik3.model.vision import MMProjector, VisionTower, encode_images, tokens_per_image
 
 
-def _dtype(cfg: TextConfig, dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if dtype is not None else getattr(torch, cfg.dtype)
+def _dtype(dtype: torch.dtype | None) -> torch.dtype:
+    # K3 computes in bf16; a checkpoint's stored dtype is the loader's to pass (K3Config.storage)
+    return dtype if dtype is not None else torch.bfloat16
 
 
 class K3TextModel(nn.Module):
@@ -62,13 +63,13 @@ class K3ForCausalLM(nn.Module):
 
     Args:
         cfg: the text config (`K3Config.text`).
-        dtype: parameter and compute dtype (default: the config's, bfloat16); the fp32 islands
+        dtype: parameter and compute dtype (default bfloat16); the fp32 islands
             (KDA A_log / dt_bias / conv / o_norm, the router correction bias) stay fp32 regardless.
     """
 
     def __init__(self, cfg: TextConfig, dtype: torch.dtype | None = None):
         super().__init__()
-        dtype = _dtype(cfg, dtype)
+        dtype = _dtype(dtype)
         self.config = cfg
         self.model = K3TextModel(cfg, dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
@@ -120,7 +121,7 @@ class K3ForConditionalGeneration(nn.Module):
         self.config = cfg
         self.language_model = K3ForCausalLM(cfg.text, dtype)
         if cfg.vision is not None and not text_only:
-            vdtype = _dtype(cfg.text, dtype)
+            vdtype = _dtype(dtype)
             self.vision_tower = VisionTower(cfg.vision, vdtype)
             self.mm_projector = MMProjector(cfg.vision, vdtype)
 

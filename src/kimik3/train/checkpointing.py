@@ -7,9 +7,11 @@
         trainer.pt    step, optimizer state (keyed by parameter name), RNG states, the run's config
         train.json    the run's config, for people
 
-A folder is written as `.step-00000300.partial-<id>` (files fsynced), then renamed into place and the parent
-fsynced; a kill at any moment leaves the previous step folders intact and at worst a `.partial` folder, which
-the next start deletes. After a save only the newest `checkpoint.keep` step folders are kept.
+A folder is written by `kimik3.checkpoint.publish_atomically` as `.step-00000300.partial-<id>` (files and
+folders fsynced), then renamed into place and the parent fsynced; a kill at any moment leaves the previous step
+folders intact and at worst a hidden `.partial`/`.old` folder, which the next start deletes. `model/` also gets
+the tokenizer and model card of the run's `model.checkpoint` folder (else its `data.tokenizer`), so it is a
+complete checkpoint folder for `kimik3 generate --model`. After a save only the newest `checkpoint.keep` step folders are kept.
 Optimizer state is keyed by parameter name (the format of torch.distributed.checkpoint's full state dict), so
 a checkpoint written by N ranks resumes on any number of ranks.
 """
@@ -21,8 +23,7 @@ import os
 import random
 import re
 import shutil
-import uuid
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,18 +50,12 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def remove_partials(root: Path) -> None:
     """Delete folders a killed save left behind (never a complete step folder)."""
+    from kimik3.checkpoint.folder import is_hidden_sibling
+
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.startswith(".step-") and ".partial-" in p.name:
+            if p.name.startswith(".step-") and is_hidden_sibling(p.name):
                 shutil.rmtree(p, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_state() -> dict:
@@ -114,35 +109,34 @@ def load_named_optimizer_state(model: nn.Module, optimizers: list[torch.optim.Op
 def save_checkpoint(root: Path, step: int, model_to_save: nn.Module, k3cfg: K3Config, trainer_state: dict,
                     keep: int, config_json: dict) -> Path:
     """Write step folder `step` atomically (rank 0 only), then prune to the newest `keep`. Returns its path."""
-    from kimik3.checkpoint import save
+    from kimik3.checkpoint import publish_atomically, save
 
-    root.mkdir(parents=True, exist_ok=True)
-    final = step_dir(root, step)
-    tmp = root / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        save(model_to_save, tmp / "model", experts="bf16", dtype=torch.float32, config=k3cfg, quiet=True)
+    def write(tmp: Path) -> None:
+        save(model_to_save, tmp / "model", experts="bf16", dtype=torch.float32, config=k3cfg,
+             source=_companion_source(config_json), quiet=True)
         with open(tmp / TRAINER_STATE, "wb") as f:
             torch.save(trainer_state, f)
             f.flush()
             os.fsync(f.fileno())
         (tmp / "train.json").write_text(json.dumps(config_json, indent=2, default=str) + "\n")
-        for d in (tmp / "model", tmp):
-            _fsync_dir(d)
-        if final.exists():  # re-saving a step (a resumed run stopped where it started): swap, then delete
-            old = root / f".{final.name}.partial-old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    root.mkdir(parents=True, exist_ok=True)
+    # re-saving a step (a resumed run stopped where it started) replaces the whole step folder
+    final = publish_atomically(step_dir(root, step), write)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old)
     return final
+
+
+def _companion_source(config_json: dict) -> Path | None:
+    """Where the run's tokenizer and model card are: the model.checkpoint folder, else data.tokenizer."""
+    folder = (config_json.get("model") or {}).get("checkpoint")
+    if folder and Path(folder).is_dir():
+        return Path(folder)
+    tokenizer = (config_json.get("data") or {}).get("tokenizer")
+    if tokenizer and Path(tokenizer).is_dir():  # a folder holding a tiktoken.model (and perhaps the corpus)
+        tokenizer = Path(tokenizer) / "tiktoken.model"
+    return Path(tokenizer) if tokenizer and Path(tokenizer).is_file() else None
 
 
 def load_trainer_state(path: Path) -> dict:
@@ -167,10 +161,9 @@ def _differences(a, b, prefix: str = "") -> list[str]:
 def check_same_model(found: TextConfig, wanted: TextConfig, where: str, what: str) -> None:
     """ValueError naming the differing fields unless the two text configs describe the same model.
 
-    Storage-only fields (dtype, expert quantization) may differ: a checkpoint may store fp32 dense experts.
+    How each is stored (dtype, expert format: `K3Config.storage`) is not part of a TextConfig, so a checkpoint
+    of fp32 dense experts matches the bf16 MXFP4 config it started from.
     """
-    a = replace(found, dtype="-", experts_quantization=None)
-    b = replace(wanted, dtype="-", experts_quantization=None)
-    diff = _differences(a, b)
+    diff = _differences(found, wanted)
     if diff:
         raise ValueError(f"{where} does not match {what}: " + "; ".join(diff[:4]) + (" ..." if len(diff) > 4 else ""))
