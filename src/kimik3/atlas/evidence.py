@@ -127,7 +127,8 @@ def function_site(spec: str) -> dict:
     fn = getattr(importlib.import_module(mod), name)
     file = inspect.getsourcefile(fn)
     lines, first = inspect.getsourcelines(fn)
-    return _site("computes", f"{name} in {mod} (pure-torch reference)", file, first, first + len(lines) - 1)
+    what = " (the pure-torch reference)" if mod.endswith(".reference") else ""
+    return _site("computes", f"{name} in {mod}{what}", file, first, first + len(lines) - 1)
 
 
 @lru_cache(maxsize=1)

@@ -28,8 +28,8 @@ def formulas(cfg: K3Config) -> dict[str, list[str]]:
     lb = f"{-t.kda.gate_lower_bound:g}"
     b1, b2 = f"{t.situ_beta:g}", f"{t.situ_linear_beta:g}"
     mix = [
-        r"h = \sum_{j=0}^{M} \mathrm{softmax}_j\!\left(w^\top \frac{v_j}{\mathrm{rms}(v_j)}\right) v_j,"
-        r"\quad v = [b_0, \dots, b_{M-1}, s],\quad w = g \odot p \in \mathbb{R}^{" + str(t.hidden_size) + "}",
+        r"h = \sum_{j=0}^{M} \mathrm{softmax}_j\!\left(w^\top \frac{v_j}{\mathrm{rms}(v_j)}\right) v_j",
+        r"v = [b_0, \dots, b_{M-1}, s],\quad w = g \odot p \in \mathbb{R}^{" + str(t.hidden_size) + "}",
     ]
     situ = rf"\mathrm{{SiTU}}(a, u) = {b1}\tanh(a/{b1})\,\sigma(a)\cdot {b2}\tanh(u/{b2})"
     out = {
