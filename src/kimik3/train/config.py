@@ -41,7 +41,7 @@ class DataSection:
 
 @dataclass(frozen=True)
 class TrainSection:
-    steps: int = 0
+    steps: int | None = None  # required: the number of optimizer steps (the schedule's length)
     micro_batch_rows: int = 1  # rows of seq_len tokens packed into one micro-batch (one [1, R*T] row)
     grad_accum: int = 1
     precision: str = "fp32"  # "fp32" or "bf16" (autocast; fp32 master weights)
@@ -170,7 +170,7 @@ def _section(cls: type, raw: Any, name: str, where: str) -> Any:
 
 
 def _check_values(cfg: TrainConfig, where: str) -> None:
-    if cfg.train.steps == 0:
+    if cfg.train.steps is None:
         raise ValueError(f"{where}: 'train.steps' is required (the number of optimizer steps)")
     for dotted, allowed in CHOICES.items():
         value = getattr(getattr(cfg, dotted.split(".")[0]), dotted.split(".")[1])

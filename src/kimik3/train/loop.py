@@ -44,6 +44,15 @@ def _dotted(d: dict, key: str):
     return d[section][name]
 
 
+def _fresh_out_dir(out_dir: str) -> str:
+    """A sibling of `out_dir` that does not exist yet (`runs/x-2`, `runs/x-3`, ...), to name in advice."""
+    base = str(out_dir).rstrip("/\\") or "."
+    n = 2
+    while Path(f"{base}-{n}").exists():
+        n += 1
+    return f"{base}-{n}"
+
+
 class Trainer:
     """Everything one training run needs, built from `cfg` (on every rank under torchrun)."""
 
@@ -91,8 +100,10 @@ class Trainer:
         found = ckpt.list_checkpoints(self.root)
         if mode == "never":
             if found:  # new step folders would interleave with the old run's, and "auto" would mix them up
+                fresh = _fresh_out_dir(self.cfg.out_dir)
                 raise ValueError(f"checkpoint.resume = 'never', but {self.root} already holds {found[-1].name}; "
-                                 "use another out_dir or remove the old checkpoints")
+                                 f"start the new run in another folder (--set out_dir={fresh}) or move the old "
+                                 "checkpoints away")
             return None
         if mode == "auto":
             return found[-1] if found else None
@@ -108,10 +119,12 @@ class Trainer:
         if state["rows_per_step"] != self.rows_per_step:
             changed.append(f"rows per step (ranks x grad_accum x micro_batch_rows: {state['rows_per_step']} -> "
                            f"{self.rows_per_step})")
-        if changed:
+        if changed:  # the advice names a folder that does not exist, so following it starts a run
+            fresh = _fresh_out_dir(self.cfg.out_dir)
             raise ValueError(f"{path} was written by a run with different {', '.join(changed)}; resuming would not "
-                             "continue that run. Set checkpoint.resume = \"never\" (or another out_dir) to start "
-                             f"over, or model.checkpoint = \"{path / 'model'}\" to start from its weights")
+                             f"continue that run. To start over, run in another folder: --set out_dir={fresh}. To "
+                             "start from its weights instead, also replace model.config in the run config with "
+                             f"model.checkpoint = \"{path / 'model'}\"")
         if self.env.world_size == 1:
             ckpt.load_named_optimizer_state(self.model, self.optim.optimizers, state["optimizer"])
         else:

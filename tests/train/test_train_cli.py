@@ -1,0 +1,105 @@
+"""`kimik3 train` as a new user meets it: what its errors say, and that following their advice works."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import kimik3
+from kimik3.cli import main
+from kimik3.inference import SamplingParams, generate
+from kimik3.presets import DEMO_MODEL
+from kimik3.tokenizer import Tokenizer
+from kimik3.train.data import prepare_shards
+
+pytestmark = pytest.mark.filterwarnings("ignore:quantile balancing with q")
+REPO = Path(__file__).resolve().parents[2]
+BYTES = str(REPO / "configs/train/bytes.tiktoken")
+
+
+def write_run(tmp_path: Path, name: str = "run.toml", model: str = 'config = "tiny"') -> Path:
+    docs = tmp_path / "docs"
+    docs.mkdir(exist_ok=True)
+    for i in range(4):
+        (docs / f"d{i}.txt").write_text(" ".join(["kimi", "delta", "attention", "router"][j % 4] for j in range(40 + i)))
+    toml = tmp_path / name
+    toml.write_text(f'out_dir = "{tmp_path / "run"}"\n[model]\n{model}\n[data]\ntrain = "{docs}/*.txt"\n'
+                    f'tokenizer = "{BYTES}"\nseq_len = 32\n[train]\nsteps = 1\n[log]\nprogress = false\n')
+    return toml
+
+
+def test_steps_zero_and_missing(tmp_path, capsys):
+    toml = write_run(tmp_path)
+    assert main(["train", str(toml), "--set", "train.steps=0"]) == 2
+    assert "'train.steps' must be >= 1, got 0" in capsys.readouterr().err
+    toml.write_text(toml.read_text().replace("steps = 1\n", ""))
+    assert main(["train", str(toml)]) == 2
+    assert "'train.steps' is required" in capsys.readouterr().err
+
+
+def _advised_out_dir(err: str) -> str:
+    found = re.search(r"--set out_dir=(\S+?)\)?[.;]?(\s|$)", err)
+    assert found, err
+    return found[1]
+
+
+def test_resume_advice_leads_to_a_working_run(tmp_path, capsys):
+    toml = write_run(tmp_path)
+    assert main(["train", str(toml)]) == 0
+    capsys.readouterr()
+    # a changed data layout cannot resume: the advised folder starts over, and the advised weights start from it
+    assert main(["train", str(toml), "--set", "data.seq_len=16"]) == 2
+    err = capsys.readouterr().err
+    assert "resuming would not continue that run" in err and "checkpoint.resume" not in err
+    fresh = _advised_out_dir(err)
+    assert not Path(fresh).exists()
+    assert main(["train", str(toml), "--set", "data.seq_len=16", "--set", f"out_dir={fresh}"]) == 0
+    weights = re.search(r'model.checkpoint = "([^"]+)"', err)[1]
+    tuned = write_run(tmp_path, "tuned.toml", model=f'checkpoint = "{weights}"')
+    assert main(["train", str(tuned), "--set", "data.seq_len=16", "--set", f"out_dir={tmp_path / 'tuned'}"]) == 0
+    # resume = "never" on a folder with checkpoints: its advice works too
+    assert main(["train", str(toml), "--set", 'checkpoint.resume="never"']) == 2
+    fresh = _advised_out_dir(capsys.readouterr().err)
+    assert main(["train", str(toml), "--set", 'checkpoint.resume="never"', "--set", f"out_dir={fresh}"]) == 0
+    assert "done at step 1/1" in capsys.readouterr().out
+
+
+def test_prepare_binary_file_names_it(tmp_path, capsys):
+    blob = tmp_path / "weights.bin.txt"
+    blob.write_bytes(bytes(range(256)) * 4)
+    assert main(["train", "--prepare", str(tmp_path / "out"), "--tokenizer", BYTES, str(blob)]) == 2
+    err = capsys.readouterr().err
+    assert f"{blob}: not UTF-8 text (byte 128 is 0x80)" in err
+
+
+def test_demo_model_and_prepare_agree_on_end_of_text(tmp_path, capsys):
+    """`--prepare` ends each document with the tokenizer's [EOS]; the demo model declares that id as its
+    end of text (config.json, generation_config.json), and its weights, trained on such documents, produce it
+    where a work ends, while <|end_of_msg|> (its chat turns' end, never in its data) is far down the ranking."""
+    tok = Tokenizer.from_file(DEMO_MODEL)
+    (tmp_path / "a.txt").write_text("ROMEO:\nGood night.\n")
+    meta = json.loads((prepare_shards([str(tmp_path / "a.txt")], str(DEMO_MODEL), tmp_path / "s") / "meta.json")
+                      .read_text())
+    eos = tok.encode_special("[EOS]")
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
+    gen = json.loads((DEMO_MODEL / "generation_config.json").read_text())
+    assert meta["eos_id"] == eos == config["eos_token_id"] == config["text_config"]["eos_token_id"] \
+        == gen["eos_token_id"]
+    model = kimik3.load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True)
+    assert model.config.eos_token_id == eos
+    ending = "High order in this great solemnity.\n\n[Exeunt.]\n"  # the last lines of Antony and Cleopatra
+    with torch.no_grad():
+        probs = model(torch.tensor([tok.encode(ending)]))
+    probs = getattr(probs, "logits", probs)[0, -1].float().softmax(-1)
+    assert int(probs.argmax()) == eos and int((probs > probs[tok.eos_id]).sum()) > 1000
+    out = generate(model, [tok.encode(ending)], SamplingParams(temperature=0, max_new_tokens=8),
+                   eos_token_ids=[model.config.eos_token_id])[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    # `kimik3 generate` stops there too: nothing is written after the prompt
+    assert main(["generate", "--prompt", ending, "--temperature", "0", "--max-new-tokens", "8", "--no-stream",
+                 "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out == ending + "\n"
