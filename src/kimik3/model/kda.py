@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
-from kimik3.model.cache import CacheStep, KDAState
+from kimik3.model.cache import CacheStep, KDAPool, KDAState, PagedStep
 from kimik3.model.norm import GatedRMSNorm
-from kimik3.ops.kda import chunk_kda_with_gate, recurrent_kda_with_gate
+from kimik3.ops.kda import chunk_kda_with_gate, chunk_kda_with_gate_checkpoints, recurrent_kda_with_gate
 from kimik3.ops.varlen import positions
 
 
@@ -49,6 +49,18 @@ class ShortConvolution(nn.Module):
                 prev = prev * (pos_T1[s:] >= s)
             y[:, s:] += prev * w_PW[:, W - 1 - s]
         return F.silu(y).to(x_BTP.dtype)
+
+    def gathered(self, ext_XP: Tensor, index_WT: Tensor) -> Tensor:
+        """Packed sequences with cached tails: `ext` [X, P] holds the new inputs then the tails, and
+        `index_WT[j]` the row feeding tap j of each of the T outputs. The same sums in the same order as
+        `forward` over a tail-extended row: [T, P]."""
+        W = self.weight.shape[-1]
+        w_PW = self.weight.float().squeeze(1)
+        x = ext_XP.float()
+        y = x[index_WT[W - 1]] * w_PW[:, W - 1]
+        for s in range(1, W):
+            y += x[index_WT[W - 1 - s]] * w_PW[:, W - 1 - s]
+        return F.silu(y).to(ext_XP.dtype)
 
     def last(self, window_BWP: Tensor) -> Tensor:
         """The output at the newest of W consecutive tokens (decode: W-1 cached, one new): [B, 1, P]."""
@@ -80,7 +92,10 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, cache: KDAState | None = None,
                 step: CacheStep | None = None) -> Tensor:
-        """x [B, T, D] -> [B, T, D]. With `cache` (and its `step`), continue from and update the cached state."""
+        """x [B, T, D] -> [B, T, D]. With `cache` (and its `step`), continue from and update the cached state.
+        With a `KDAPool` and a `PagedStep`: the engine's packed sequences, each from and into its own slot."""
+        if isinstance(step, PagedStep):
+            return self._paged(x_BTD, cache, step)
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
         valid_BT1 = step.valid[..., None] if step is not None else None
@@ -114,6 +129,51 @@ class KimiDeltaAttention(nn.Module):
             cache.recurrent.copy_(state)
         o_BTHK = self.o_norm(o_BTHK, self.g_proj(x_BTD).view(B, T, H, K))
         return self.o_proj(o_BTHK.reshape(B, T, H * K))
+
+    def _paged(self, x_1TD: Tensor, pool: KDAPool, step: PagedStep) -> Tensor:
+        """The engine's mixed step: N packed chunks [1, T], each continuing the state in its slot.
+
+        Decode-only steps run the recurrent kernel over N rows of one token; anything else the chunked kernel
+        over the packed row (varlen), each sequence from its slot's state. States the step exports (prefix
+        snapshots) are appended to `step.kda_exports` as (recurrent [E, H, K, V], conv q, k, v [E, W-1, P])."""
+        _, T, _ = x_1TD.shape
+        H, K = self.num_heads, self.head_dim
+        x_TD = x_1TD[0]
+        exports = []
+
+        def conv(mod: ShortConvolution, proj: nn.Linear, tails: Tensor) -> Tensor:
+            ext_XP = torch.cat([proj(x_TD), tails[step.slots].flatten(0, 1)])
+            out_TP = mod.gathered(ext_XP, step.conv_index)
+            if step.kda_exports is not None:
+                exports.append(ext_XP[step.export_tail_index])
+            tails.index_copy_(0, step.slots, ext_XP[step.tail_index])
+            return out_TP.view(1, T, H, K)
+
+        q, k, v = (conv(m, p, t) for m, p, t in ((self.q_conv1d, self.q_proj, pool.conv_q),
+                                                   (self.k_conv1d, self.k_proj, pool.conv_k),
+                                                   (self.v_conv1d, self.v_proj, pool.conv_v)))
+        g = self.f_b_proj(self.f_a_proj(x_1TD)).view(1, T, H, K)
+        beta = self.b_proj(x_1TD).float()
+        state0 = pool.recurrent[step.slots]
+        kw = dict(lower_bound=self.lower_bound, scale=K**-0.5, initial_state=state0)
+        if step.decode_only:  # N rows of one token each
+            o, state = recurrent_kda_with_gate(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), self.A_log,
+                                               self.dt_bias, output_final_state=True, **kw)
+            o = o.transpose(0, 1)
+            inner = state.new_empty(0, *state.shape[1:])
+        elif step.checkpoints is not None:
+            o, state, inner = chunk_kda_with_gate_checkpoints(q, k, v, g, beta, self.A_log, self.dt_bias,
+                                                              offsets=step.checkpoints, cu_seqlens=step.cu_seqlens,
+                                                              **kw)
+        else:
+            o, state = chunk_kda_with_gate(q, k, v, g, beta, self.A_log, self.dt_bias, output_final_state=True,
+                                           cu_seqlens=step.cu_seqlens, **kw)
+            inner = state.new_empty(0, *state.shape[1:])
+        if step.kda_exports is not None:
+            step.kda_exports.append((torch.cat([inner, state])[step.export_pick], *exports))
+        pool.recurrent.index_copy_(0, step.slots, state.float())
+        o = self.o_norm(o, self.g_proj(x_1TD).view(1, T, H, K))
+        return self.o_proj(o.reshape(1, T, H * K))
 
     @torch.no_grad()
     def reset_kda_parameters(self) -> None:

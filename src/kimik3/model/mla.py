@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
-from kimik3.model.cache import CacheStep, MLALatents
+from kimik3.model.cache import CacheStep, MLALatents, MLAPool, PagedStep
 from kimik3.model.norm import RMSNorm
 from kimik3.ops.mla import mla_attention, mla_latent_attention
 
@@ -53,7 +53,9 @@ class MultiHeadLatentAttention(nn.Module):
         q_BTHK = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, H, N + R)
         c_BTC, k_r_BTR = self.kv_a_proj_with_mqa(x_BTD).split([c.kv_lora_rank, R], dim=-1)
         c_BTC = self.kv_a_layernorm(c_BTC)
-        if cache is not None:
+        if isinstance(step, PagedStep):
+            o_BTHV = self._paged(q_BTHK[0], torch.cat([c_BTC, k_r_BTR], dim=-1)[0], cache, step)[None]
+        elif cache is not None:
             cache.latent.index_copy_(1, step.positions, torch.cat([c_BTC, k_r_BTR], dim=-1))
             span = step.mla_mask.shape[-1]
             latent_BSX = cache.latent[:, :span]
@@ -68,6 +70,24 @@ class MultiHeadLatentAttention(nn.Module):
             o_BTHV = mla_attention(q_BTHK, k_BTHK, v_BTHV, scale=c.softmax_scale, cu_seqlens=cu_seqlens)
         o_BTP = o_BTHV.reshape(B, T, H * V) * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o_BTP)
+
+    def _paged(self, q_THK: Tensor, latent_TX: Tensor, pool: MLAPool, step: PagedStep) -> Tensor:
+        """The engine's packed sequences over the paged latent pool: write the new latents into their blocks,
+        gather each sequence's keys through its block table, attend per sequence (padded to [N, Tq]).
+        Returns [T, H, V]."""
+        c = self.cfg
+        pool.latent.index_copy_(0, step.write_index, latent_TX)
+        # rows past a sequence's length may be stale (or NaN-poisoned in tests): zero them, as 0 * NaN in the
+        # value product would otherwise leak through the masked softmax weights
+        lat_NSX = torch.where(step.key_valid[..., None], pool.latent[step.key_index], 0)
+        q_NTHK = q_THK[step.q_index]
+        if step.expanded:
+            k_NSHK, v_NSHV = self._expand(*lat_NSX.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1))
+            o_NTHV = mla_attention(q_NTHK, k_NSHK, v_NSHV, scale=c.softmax_scale, mask=step.mla_mask)
+        else:
+            o_NTHV = mla_latent_attention(q_NTHK, lat_NSX, self.kv_b_proj.weight, qk_nope_head_dim=c.qk_nope_head_dim,
+                                          scale=c.softmax_scale, mask=step.mla_mask)
+        return o_NTHV.flatten(0, 1)[step.unpack]
 
     def _expand(self, c_BSC: Tensor, k_r_BSR: Tensor) -> tuple[Tensor, Tensor]:
         """Per-head keys [k_n ; k_r] [B, S, H, N+R] and values [B, S, H, V] from normed latents and shared keys."""

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.config import K3Config, TextConfig
-from kimik3.model.cache import CacheStep, HybridCache
+from kimik3.model.cache import CacheStep, HybridCache, PagedCache, PagedStep
 from kimik3.model.decoder import DecoderLayer, depth_mix
 from kimik3.model.init import init_weights
 from kimik3.model.norm import RMSNorm
@@ -40,15 +40,17 @@ class K3TextModel(nn.Module):
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False, dtype=dtype)
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
-                attention_mask: Tensor | None = None, step: CacheStep | None = None,
-                inputs_embeds: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None,
+                cache: HybridCache | PagedCache | None = None, attention_mask: Tensor | None = None,
+                step: CacheStep | PagedStep | None = None, inputs_embeds: Tensor | None = None) -> Tensor:
         """input_ids [B, T] -> final hidden state [B, T, D] (see K3ForCausalLM.forward)."""
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens packs documents for cache-less forwards; with a cache, left-pad the "
                              "batch and pass attention_mask")
         if attention_mask is not None and cache is None:
             raise ValueError("attention_mask (left padding) needs a cache; pack documents with cu_seqlens instead")
+        if isinstance(cache, PagedCache) != isinstance(step, PagedStep):
+            raise ValueError("a PagedCache (the serving engine's pools) runs with a PagedStep, and only with one")
         if cache is not None and step is None:
             step = cache.advance(input_ids.shape[1], attention_mask)
         h_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -76,7 +78,7 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
                 attention_mask: Tensor | None = None, step: CacheStep | None = None,
-                inputs_embeds: Tensor | None = None) -> Tensor:
+                inputs_embeds: Tensor | None = None, logits_at: Tensor | None = None) -> Tensor:
         """input_ids [B, T] int64 -> logits [B, T, Vocab] in the compute dtype.
 
         Args:
@@ -85,12 +87,17 @@ class K3ForCausalLM(nn.Module):
                 prefill, or decode of one or more tokens per sequence).
             attention_mask: [B, T] 1 for real tokens, 0 for left padding (ragged batches; needs a cache).
             step: a prebuilt `cache.make_step(...)` (CUDA-graphed decode); by default `cache.advance(T, mask)`.
+                The serving engine passes a `PagedCache` with a `PagedStep` (packed chunks of many sequences,
+                B == 1, each with its own KDA slot and MLA block table).
             inputs_embeds: [B, T, D] used instead of embedding input_ids (images spliced in by the wrapper).
+            logits_at: [M] token indices: project only those rows, -> [B, M, Vocab] (the engine samples each
+                sequence's last token; the LM head over a whole prefill chunk would be wasted).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        return self.lm_head(self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, attention_mask=attention_mask,
-                                          step=step, inputs_embeds=inputs_embeds))
+        h_BTD = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, attention_mask=attention_mask, step=step,
+                           inputs_embeds=inputs_embeds)
+        return self.lm_head(h_BTD if logits_at is None else h_BTD[:, logits_at])
 
     def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_length` tokens, on the model's device."""

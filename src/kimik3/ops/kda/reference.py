@@ -67,8 +67,13 @@ def _recurrent_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S:
     return o, S
 
 
-def _chunk_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
-    """Same contract as _recurrent_core, computed chunk by chunk with the WY/UT transform."""
+def _chunk_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor,
+                marks: frozenset[int] = frozenset(), states: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Same contract as _recurrent_core, computed chunk by chunk with the WY/UT transform.
+
+    The state after each chunk whose end offset is in `marks` is appended to `states` (a serving engine's
+    prefix-cache snapshots: the forward computes them anyway, so exporting them costs a copy, not a forward).
+    """
     T = q.shape[2]
     outs = []
     for start in range(0, T, CHUNK_SIZE):
@@ -101,11 +106,13 @@ def _chunk_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Ten
         outs.append((qc * G.exp()) @ S + qk @ U)
         G_last = G[:, :, -1:]  # [B, H, 1, K]
         S = G_last.transpose(-1, -2).exp() * S + (kc * (G_last - G).exp()).transpose(-1, -2) @ U
+        if start + C in marks:
+            states.append(S)
     o = torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape)
     return o, S
 
 
-def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, offsets=None):
     bounds = _validate(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -119,21 +126,36 @@ def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     bf = beta.to(dtype).transpose(1, 2)
     N = B if bounds is None else len(bounds) - 1
     S0 = q.new_zeros(N, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
+    marked: list[Tensor] = []
+    marks = [frozenset(x) for x in offsets] if offsets is not None else [frozenset()] * N
 
     if bounds is None:
-        o, S = core(qf, kf, vf, gf, bf, S0)
+        if any(marks):  # batch rows: one core call per row keeps the exported states in (row, offset) order
+            pieces, states = [], []
+            for i in range(B):
+                oi, Si = core(qf[i:i + 1], kf[i:i + 1], vf[i:i + 1], gf[i:i + 1], bf[i:i + 1], S0[i:i + 1],
+                              marks[i], marked)
+                pieces.append(oi)
+                states.append(Si)
+            o, S = torch.cat(pieces), torch.cat(states)
+        else:
+            o, S = core(qf, kf, vf, gf, bf, S0)
     else:
         # Each packed sequence runs on its own with its own state row, so no token sees another sequence.
         pieces, states = [], []
         for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             seq = slice(lo, hi)
-            oi, Si = core(qf[:, :, seq], kf[:, :, seq], vf[:, :, seq], gf[:, :, seq], bf[:, :, seq], S0[i : i + 1])
+            oi, Si = core(qf[:, :, seq], kf[:, :, seq], vf[:, :, seq], gf[:, :, seq], bf[:, :, seq], S0[i : i + 1],
+                          marks[i], marked)
             pieces.append(oi)
             states.append(Si)
         o, S = torch.cat(pieces, dim=2), torch.cat(states, dim=0)
     # contiguous [B, T, H, V] like fla's output: a transposed view would differ from the CUDA path in layout,
     # which `view` and `*_like` (memory-order draws) expose
-    return o.transpose(1, 2).contiguous().to(v.dtype), (S if output_final_state else None)
+    o = o.transpose(1, 2).contiguous().to(v.dtype)
+    if offsets is not None:
+        return o, S, (torch.cat(marked) if marked else S.new_empty(0, H, K, V))
+    return o, (S if output_final_state else None)
 
 
 def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
@@ -166,3 +188,18 @@ def gate_inputs(q: Tensor, k: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt
     a_H1 = A_log[:H].float().exp().view(H, 1)
     g = lower_bound * torch.sigmoid(a_H1 * (g.float() + dt_bias.float().view(H, K)))
     return l2(q), l2(k), g, torch.sigmoid(beta.float())
+
+
+def chunk_kda_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, offsets: list[list[int]],
+                          scale: float | None = None, initial_state: Tensor | None = None,
+                          cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`chunk_kda` that also returns the state at chunk-grid offsets inside each sequence.
+
+    `offsets[i]` lists offsets from sequence i's start (multiples of CHUNK_SIZE, at most its length) after
+    which the state is wanted. Returns (o, final_state [N, H, K, V], checkpoints [M, H, K, V]) with the M
+    checkpoint states in (sequence, increasing offset) order. Offsets off the grid raise ValueError.
+    """
+    for i, offs in enumerate(offsets):
+        if any(o <= 0 or o % CHUNK_SIZE for o in offs) or list(offs) != sorted(set(offs)):
+            raise ValueError(f"offsets[{i}] must be increasing positive multiples of {CHUNK_SIZE}, got {offs}")
+    return _run(_chunk_core, q, k, v, g, beta, scale, initial_state, True, cu_seqlens, offsets)
