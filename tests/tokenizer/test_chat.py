@@ -262,6 +262,15 @@ def test_image_prompt_count_mismatch_names_both_counts():
     with pytest.raises(ValueError, match=r"fewer image placeholders than image prompts: 3 placeholders .* but 4 "):
         render_chat(msgs, image_prompts=[image_prompt(1, 1)] * 4)
     assert render_chat(msgs, image_prompts=[image_prompt(1, 1)] * 3).count("<|media_pad|>") == 3
+    with pytest.raises(ValueError, match="image_prompts must be a list of str"):
+        render_chat(msgs, image_prompts=image_prompt(1, 1))
+
+
+def test_typed_media_tokens_stay_text_beside_image_prompts(tok):
+    """Only the trusted prompt's media markers are special; the same names typed by a user are plain text."""
+    msgs = [{"role": "user", "content": f"<|media_pad|> {IMAGE_PLACEHOLDER}"}]
+    ids = encode_chat(tok, msgs, thinking=False, image_prompts=[image_prompt(2, 3)])
+    assert sum(i == tok.encode_special("<|media_pad|>") for i in ids) == 1
 
 
 def _conversation():

@@ -1,9 +1,10 @@
 """K3's "XTML" chat format (spec §5): OpenAI-style messages -> prompt token ids.
 
-The prompt is built as a list of segments, each either a special token (structural marker) or ordinary text.
-`encode_chat` maps markers to special ids and encodes every text segment with `allow_special=False`, so nothing
-a user, tool or attribute value contains can become a control token. `render_chat` joins the same segments into
-a readable string (markers shown literally) for debugging.
+The prompt is built as a list of segments, each a special token (structural marker), ordinary text, or a trusted
+image prompt. `encode_chat` maps markers to special ids and encodes every text segment with `allow_special=False`,
+so nothing a user, tool or attribute value contains can become a control token; only an image prompt (the
+caller's, like the released processor's) is encoded with its `<|media_*|>` names as special ids. `render_chat`
+joins the same segments into a readable string (markers shown literally) for debugging.
 
 Segment boundaries follow the released encoder (`encoding_k3.py`, S1 `encoding.py`; Jinja port S3
 `Kimi-K3.jinja`): tag names, ` key`, `="`, each attribute value and `"` are encoded as separate pieces, and each
@@ -91,7 +92,7 @@ class _Images:
     `_ImagePromptState`); counts every request so a mismatch can name both counts."""
 
     def __init__(self, prompts: Sequence[str] | None):
-        if prompts is not None and not all(isinstance(p, str) for p in prompts):
+        if prompts is not None and (isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts)):
             raise ValueError("chat: image_prompts must be a list of str (one prompt per image)")
         self.prompts, self.taken = (None if prompts is None else list(prompts)), 0
 
