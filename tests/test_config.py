@@ -101,3 +101,83 @@ def test_text_only_config():
     d = _hf("tiny")
     cfg = K3Config.from_hf(d["text_config"])
     assert cfg.vision is None and cfg.text.num_layers == 7
+
+
+@pytest.mark.parametrize("path, value, field", [
+    (["text_config", "num_hidden_layers"], "8", "text_config.num_hidden_layers' must be an integer, got '8'"),
+    (["text_config", "num_hidden_layers"], 7.0, "text_config.num_hidden_layers' must be an integer, got 7.0"),
+    (["text_config", "num_hidden_layers"], True, "text_config.num_hidden_layers' must be an integer, got True"),
+    (["text_config", "num_hidden_layers"], [7], "text_config.num_hidden_layers' must be an integer, got \\[7\\]"),
+    (["text_config", "hidden_size"], None, "text_config.hidden_size' must be an integer, got None"),
+    (["text_config", "dtype"], "int8", "text_config.dtype' must be one of bfloat16, float32, float16, got 'int8'"),
+    (["text_config", "rms_norm_eps"], "1e-5", "text_config.rms_norm_eps' must be a number"),
+    (["text_config", "routed_scaling_factor"], False, "text_config.routed_scaling_factor' must be a number"),
+    (["text_config", "moe_renormalize"], 1, "text_config.moe_renormalize' must be true or false, got 1"),
+    (["text_config", "pad_token_id"], "5", "text_config.pad_token_id' must be an integer"),
+    (["text_config", "hidden_act"], 3, "text_config.hidden_act' must be a string"),
+    (["text_config", "linear_attn_config", "kda_layers"], ["1", 2], "linear_attn_config.kda_layers' must be a list"),
+    (["text_config", "linear_attn_config", "num_heads"], 3.5, "linear_attn_config.num_heads' must be an integer"),
+    (["text_config", "linear_attn_config"], [1, 2], "linear_attn_config' must be an object"),
+    (["text_config", "quantization_config"], "mxfp4", "quantization_config' must be an object"),
+    (["text_config"], [], "text_config' must be an object"),
+    (["vision_config"], "yes", "vision_config' must be an object"),
+    (["vision_config", "merge_kernel_size"], "2x2", "vision_config.merge_kernel_size' must be a list of integers"),
+    (["vision_config", "patch_size"], "14", "vision_config.patch_size' must be an integer"),
+    (["eos_token_id"], 1.5, "'eos_token_id' must be an integer"),
+])
+def test_wrong_types_are_value_errors_naming_the_field(path, value, field):
+    with pytest.raises(ValueError, match=field):
+        K3Config.from_hf(_mutate(path, value))
+
+
+def test_wrong_type_on_the_command_line_names_the_field(tmp_path, capsys):
+    from kimik3.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(_mutate(["text_config", "num_hidden_layers"], "8")))
+    assert main(["params", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "text_config.num_hidden_layers' must be an integer, got '8'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("path, key, near", [
+    (["text_config"], "initializer_rnage", "text_config.initializer_range"),
+    (["text_config", "linear_attn_config"], "gate_lower_bond", "text_config.linear_attn_config.gate_lower_bound"),
+    ([], "media_placeholder_token", "media_placeholder_token_id"),
+    (["vision_config"], "patch_sise", "vision_config.patch_size"),
+])
+def test_unknown_keys_warn_with_the_closest_known_one(path, key, near):
+    d = _hf("tiny")
+    node = d
+    for k in path:
+        node = node[k]
+    node[key] = 1
+    with pytest.warns(UserWarning, match=rf"unknown key '.*{key}' is ignored; did you mean '{near}'\?"):
+        cfg = K3Config.from_hf(d)
+    assert cfg.text == K3Config.from_hf(_hf("tiny")).text
+
+
+def test_shipped_configs_have_no_unknown_keys(recwarn):
+    from kimik3.presets import CONFIG_DIR, DEMO_MODEL
+
+    for path in [*sorted(CONFIG_DIR.glob("*.json")), DEMO_MODEL / "config.json"]:
+        K3Config.from_file(path)
+    assert [str(w.message) for w in recwarn] == []
+
+
+def test_storage_is_apart_from_the_model():
+    """dtype and expert format describe the files: two configs that differ only there have equal TextConfigs."""
+    d = _hf("tiny")
+    stored = K3Config.from_hf(d)
+    d["text_config"].pop("quantization_config")
+    d["text_config"]["dtype"] = d["dtype"] = "float32"
+    dense = K3Config.from_hf(d)
+    assert (stored.storage.experts, stored.storage.dtype) == ("mxfp4", "bfloat16")
+    assert (dense.storage.experts, dense.storage.dtype) == ("bf16", "float32")
+    assert dense.text == stored.text and dense != stored
+
+
+def test_a_log_is_padded_to_a_multiple_of_128():
+    for heads, size in [(1, 128), (3, 128), (96, 128), (128, 128), (129, 256)]:
+        d = _hf("tiny")
+        d["text_config"]["linear_attn_config"]["num_heads"] = heads
+        assert K3Config.from_hf(d).text.kda.a_log_size == size

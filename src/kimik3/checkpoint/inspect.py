@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kimik3.checkpoint.folder import gc_paused, locate, scan
 from kimik3.checkpoint.inventory import (Mismatch, a_log_heads, compare, difference_lines, expected_specs,
-                                       padding_note)
+                                       has_vision_tensors, padding_note)
 from kimik3.checkpoint.safetensors_header import NAMES, TensorEntry
 from kimik3.config import ExpertFormat, K3Config
 
@@ -107,9 +107,12 @@ def _inspect(path: str | Path) -> InspectReport:
         if cut:
             problems.append(f"{header.path}: truncated: {len(cut):,} tensors lie past its end "
                             f"({header.file_size:,} bytes; e.g. '{cut[0].name}' needs up to {cut[0].end:,})")
-    expected = expected_specs(cfg, vision=cfg.vision is not None)
-    mismatch = compare(expected, result.tensors, a_log_heads(cfg))
-    note = padding_note(mismatch)
+    vision = has_vision_tensors(cfg, result.tensors)  # what `load` does with text_only=None
+    mismatch = compare(expected_specs(cfg, vision=vision), result.tensors, a_log_heads(cfg))
+    notes = [n for n in [padding_note(mismatch)] if n]
+    if cfg.vision is not None and not vision:
+        notes.append("config.json has a vision_config but the shards hold no vision_tower/mm_projector tensors: "
+                     "a text model")
     return InspectReport(
         path=str(folder.path),
         shards=len(folder.shards),
@@ -122,5 +125,5 @@ def _inspect(path: str | Path) -> InspectReport:
         experts=cfg.storage.experts,
         problems=problems,
         mismatch=mismatch,
-        notes=[note] if note else [],
+        notes=notes,
     )

@@ -44,6 +44,12 @@ def without_vision(cfg: K3Config) -> K3Config:
     return replace(cfg, vision=None)
 
 
+def has_vision_tensors(cfg: K3Config, tensor_names) -> bool:
+    """What `text_only=None` means: load the vision tower and projector when the config has a vision part AND
+    the shards hold any of its tensors (a partial set is then reported as missing tensors)."""
+    return cfg.vision is not None and any(is_vision_key(n) for n in tensor_names)
+
+
 def model_specs(model: torch.nn.Module, experts: ExpertFormat, dtype: torch.dtype) -> list[TensorSpec]:
     """`checkpoint_specs` of a meta twin of `model` built from its config in `dtype` (islands stay fp32).
 

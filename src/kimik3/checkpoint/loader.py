@@ -32,8 +32,8 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from kimik3.checkpoint.folder import LOADED_FROM, Folder, Scan, gc_paused, locate, missing_shards_error, scan
-from kimik3.checkpoint.inventory import (a_log_heads, compare, expected_specs, mismatch_error, parse_dtype,
-                                       stored_dtype, without_vision)
+from kimik3.checkpoint.inventory import (a_log_heads, compare, expected_specs, has_vision_tensors, mismatch_error,
+                                       parse_dtype, stored_dtype, without_vision)
 from kimik3.checkpoint.keys import is_vision_key, parse_expert_key
 from kimik3.checkpoint.progress import progress_bar, wanted
 from kimik3.checkpoint.safetensors_header import TensorEntry
@@ -42,12 +42,6 @@ from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.moe import pack_experts
 from kimik3.ops.mxfp4 import decode, encode
-
-def has_vision_tensors(cfg: K3Config, tensor_names) -> bool:
-    """What `text_only=None` means: load the vision tower and projector when the config has a vision part AND
-    the shards hold any of its tensors (a partial set is then reported as missing tensors)."""
-    return cfg.vision is not None and any(is_vision_key(n) for n in tensor_names)
-
 
 def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
          text_only: bool | None = None, keep_experts_packed: bool = False, quiet: bool = False,
