@@ -99,6 +99,7 @@ def test_pack_rows_masks_labels():
     ('{"messages": [], "tool": []}', "unknown key 'tool'"),
     ('{"messages": [{"role": "bot", "content": "x"}]}', r"messages\[0\].role"),
     ('{"message": []}', 'a "text" string or a "messages" list'),
+    ('{"messages": [{"role": "assistant", "content": "x"}], "thinking": "no"}', '"thinking" must be true or false'),
     ('{"text": "a"', "not valid JSON"),
 ])
 def test_bad_chat_lines_name_file_and_line(tmp_path, line, match):

@@ -138,6 +138,8 @@ def _encode_chat(tokenizer, record: dict) -> tuple[list[int], list[bool]]:
     from kimik3.tokenizer import encode_chat_with_mask
 
     options = {k: record[k] for k in ("tools", "thinking", "thinking_effort") if k in record}
+    if not isinstance(options.get("thinking", True), bool):
+        raise ValueError(f"{record['where']}: \"thinking\" must be true or false, got {options['thinking']!r}")
     try:
         ids, mask = encode_chat_with_mask(tokenizer, record["messages"], add_generation_prompt=False, **options)
     except (ValueError, TypeError, KeyError) as e:
