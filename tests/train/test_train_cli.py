@@ -25,7 +25,8 @@ def write_run(tmp_path: Path, name: str = "run.toml", model: str = 'config = "ti
     docs = tmp_path / "docs"
     docs.mkdir(exist_ok=True)
     for i in range(4):
-        (docs / f"d{i}.txt").write_text(" ".join(["kimi", "delta", "attention", "router"][j % 4] for j in range(40 + i)))
+        words = ["kimi", "delta", "attention", "router"]
+        (docs / f"d{i}.txt").write_text(" ".join(words[j % 4] for j in range(40 + i)))
     toml = tmp_path / name
     toml.write_text(f'out_dir = "{tmp_path / "run"}"\n[model]\n{model}\n[data]\ntrain = "{docs}/*.txt"\n'
                     f'tokenizer = "{BYTES}"\nseq_len = 32\n[train]\nsteps = 1\n[log]\nprogress = false\n')
@@ -103,3 +104,19 @@ def test_demo_model_and_prepare_agree_on_end_of_text(tmp_path, capsys):
     assert main(["generate", "--prompt", ending, "--temperature", "0", "--max-new-tokens", "8", "--no-stream",
                  "--dtype", "float32"]) == 0
     assert capsys.readouterr().out == ending + "\n"
+
+
+def test_prepare_chat_jsonl_then_train(tmp_path, capsys):
+    """`--prepare` on chat JSONL writes the mask shards, and a run trains from that folder."""
+    line = {"messages": [{"role": "user", "content": "kimi?"}, {"role": "assistant", "content": "delta " * 20}]}
+    (tmp_path / "chat.jsonl").write_text((json.dumps(line) + "\n") * 6)
+    assert main(["train", "--prepare", str(tmp_path / "shards"), "--tokenizer", BYTES,
+                 str(tmp_path / "chat.jsonl")]) == 0
+    assert "with the assistant mask of its chat documents" in capsys.readouterr().err
+    assert json.loads((tmp_path / "shards" / "meta.json").read_text())["mask_files"] == ["mask-00000.bin"]
+    toml = write_run(tmp_path)
+    text = toml.read_text()
+    assert f'train = "{tmp_path / "docs"}/*.txt"' in text
+    toml.write_text(text.replace(f'train = "{tmp_path / "docs"}/*.txt"', f'train = "{tmp_path / "shards"}"'))
+    assert main(["train", str(toml)]) == 0
+    assert "done at step 1/1" in capsys.readouterr().out

@@ -7,6 +7,7 @@ resumes from the newest checkpoint in out_dir.
 
 from __future__ import annotations
 
+import json
 import sys
 
 
@@ -18,7 +19,9 @@ def add_parser(sub) -> None:
     p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="save and stop after this step, keeping the schedule of train.steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--prepare", metavar="OUT_DIR", help="tokenize the input text files into a uint32 shard folder")
+    p.add_argument("--prepare", metavar="OUT_DIR",
+                   help="tokenize the input files (text; .jsonl: {\"text\"} or chat {\"messages\"} lines) into a "
+                        "uint32 shard folder (chat lines add a loss mask: only assistant turns train)")
     p.add_argument("--tokenizer", help="with --prepare: a tiktoken.model file or a checkpoint folder holding one")
     p.add_argument("--shard-tokens", type=int, default=1 << 28, help="with --prepare: tokens per .bin file")
     p.set_defaults(run=run)
@@ -49,5 +52,8 @@ def _prepare(args) -> int:
     if not args.inputs or not args.tokenizer:
         raise ValueError("--prepare needs --tokenizer and at least one text file")
     out = prepare_shards(args.inputs, args.tokenizer, args.prepare, args.shard_tokens)
-    print(f"kimik3 train --prepare: wrote {out}", file=sys.stderr)
+    meta = json.loads((out / "meta.json").read_text())
+    masked = ", with the assistant mask of its chat documents" if meta.get("mask_files") else ""
+    print(f"kimik3 train --prepare: wrote {out}: {meta['num_tokens']:,} tokens, documents ended by id "
+          f"{meta['eos_id']}{masked}", file=sys.stderr)
     return 0
