@@ -72,7 +72,7 @@ def formulas(cfg: K3Config) -> dict[str, list[str]]:
         ],
         "layers": [
             _n("attn_mix", "a") + r" = \mathrm{MIX}(s, b),\quad s \mathrel{+}= " + _n("attention", r"\mathrm{attn}")
-            + r"(" + _n("input_norm", r"\mathrm{RMS}") + "(a)),\quad " + _n("ffn_mix", "m")
+            + r"(" + _n("input_norm", r"\mathrm{RMS}") + r"(a)),\quad " + _n("ffn_mix", "m")
             + r" = \mathrm{MIX}(s, b),\quad s \mathrel{+}= " + _n("ffn", r"\mathrm{ffn}") + "("
             + _n("post_norm", r"\mathrm{RMS}") + "(m))",
         ],
