@@ -9,6 +9,10 @@ Each chunk runs under `torch.utils.checkpoint`: forward keeps only the chunk's h
 backward recomputes that chunk's logits, so peak logits memory is [C, V] instead of [T, V] (K3: 163,840 x 4
 bytes = 640 KB per token, i.e. 2.6 GB for a 4096-token row). The loss is a SUM; the step divides by the
 global number of target tokens, so micro-batches and ranks add up to the global-batch mean.
+
+Which tokens are targets is decided by the labels alone: IGNORE_INDEX marks a document's first token and every
+token outside a chat document's assistant turns (train/data.py), and such a position adds nothing to the sum or
+its gradient (`tests/train/test_chat_data.py` checks the gradient is exactly zero there).
 """
 
 from __future__ import annotations
