@@ -10,6 +10,8 @@ samples the same tokens whatever else shares its batch, and nothing waits for th
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,16 @@ class SamplingParams:
         max_new_tokens: stop after this many generated tokens.
         stop_token_ids: stop when one of these is generated (it is kept in the output ids).
         stop: stop when the generated text contains one of these strings (the text is cut before it).
+        n: choices per request (the serving engine prefills the prompt once and forks its state).
+        logprobs: None = off; 0 = the sampled token's log-probability; k = also the k most likely tokens'.
+        prompt_logprobs: the same for every prompt token (the engine then computes the whole prompt).
+        presence_penalty: subtracted once from the logit of every token already generated (OpenAI's).
+        frequency_penalty: subtracted from a token's logit once per time it was generated.
+        logit_bias: (token id, bias) pairs added to the logits before sampling.
+        ignore_eos: keep generating past the model's end-of-turn ids (stop_token_ids still stop).
+    Log-probabilities are those of the model's raw distribution (before penalties, temperature and
+    truncation). The engine honours every field; the static `generate()` ignores n, the logprobs fields,
+    presence/frequency penalties and ignore_eos.
     """
 
     temperature: float = 1.0
@@ -41,23 +53,68 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        # finite real numbers first: inf and nan pass comparisons like `>= 0` (or fail them with a misleading
+        # message), and a string would raise TypeError from the comparison below
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v):
+                raise ValueError(f"sampling parameter {name} must be a finite number, got {v!r}")
         checks = (
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0"),
+            ("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "must be an integer >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            ("max_new_tokens", _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
              "must be an integer >= 1"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must hold non-empty strings"),
+            ("seed", self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
+             "must be None or an integer in [-2**63, 2**64) (what torch.Generator takes)"),
+            ("stop_token_ids", _all(self.stop_token_ids, lambda t: _is_int(t) and t >= 0),
+             "must be a list of integer token ids >= 0"),
+            ("stop", _all(self.stop, lambda s: isinstance(s, str) and s != ""), "must be a list of non-empty strings"),
+            ("n", _is_int(self.n) and self.n >= 1, "must be an integer >= 1"),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+             "must be None or an integer in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                                 and 0 <= self.prompt_logprobs <= 20),
+             "must be None or an integer in [0, 20]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("logit_bias", _all(tuple(self.logit_bias.items()) if isinstance(self.logit_bias, dict) else
+                                self.logit_bias, lambda kv: len(kv) == 2 and _is_int(kv[0]) and kv[0] >= 0
+                                and _is_real(kv[1]) and math.isfinite(kv[1])),
+             "must be (token id >= 0, finite bias) pairs"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be True or False"),
         )
         for name, ok, msg in checks:
             if not ok:
                 raise ValueError(f"sampling parameter {name} {msg}, got {getattr(self, name)!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _all(v, ok) -> bool:
+    """v is a list/tuple/set (not a lone string or number) and every item passes `ok`."""
+    return isinstance(v, (list, tuple, set, frozenset)) and all(ok(x) for x in v)
 
 
 class Sampler:
@@ -84,20 +141,30 @@ class Sampler:
 
     def sample(self, logits_BV: Tensor) -> Tensor:
         """[B, V] logits -> [B] int64 token ids."""
-        x = logits_BV.float()
-        pen = self.penalty[:, None]
-        x = torch.where(self.seen, torch.where(x > 0, x / pen, x * pen), x)
-        greedy_B = x.argmax(-1)
-        x = x / self.temperature.clamp(min=1e-6)[:, None]
-        sorted_BV, order_BV = x.sort(-1, descending=True)
-        probs = sorted_BV.softmax(-1)
-        ranks = torch.arange(x.shape[-1], device=x.device)
-        drop = ranks[None, :] >= self.top_k[:, None]
-        drop |= (probs.cumsum(-1) - probs) >= self.top_p[:, None]  # the most likely token always stays
-        drop |= probs < self.min_p[:, None] * probs[:, :1]
-        probs = sorted_BV.masked_fill(drop, float("-inf")).softmax(-1)
-        noise = torch.stack([torch.empty(x.shape[-1], device=x.device).exponential_(generator=g)
-                             for g in self.generators])
-        choice_B = (probs / noise).argmax(-1)
-        sampled_B = order_BV.gather(1, choice_B[:, None]).squeeze(1)
-        return torch.where(self.temperature == 0, greedy_B, sampled_B)
+        x = repetition_penalty(logits_BV.float(), self.seen, self.penalty)
+        return draw(x, self.temperature, self.top_k, self.top_p, self.min_p, self.generators)
+
+
+def repetition_penalty(x_BV: Tensor, seen_BV: Tensor, penalty_B: Tensor) -> Tensor:
+    """Divide positive (multiply negative) logits of tokens in each row's context by its penalty."""
+    pen = penalty_B[:, None]
+    return torch.where(seen_BV, torch.where(x_BV > 0, x_BV / pen, x_BV * pen), x_BV)
+
+
+def draw(x_BV: Tensor, temperature_B: Tensor, top_k_B: Tensor, top_p_B: Tensor, min_p_B: Tensor,
+         generators: list[torch.Generator]) -> Tensor:
+    """Processed fp32 logits -> [B] token ids: greedy where temperature is 0, else temperature, top-k, top-p,
+    min-p and the exponential race with each row's own generator (one draw per row per call)."""
+    greedy_B = x_BV.argmax(-1)
+    x = x_BV / temperature_B.clamp(min=1e-6)[:, None]
+    sorted_BV, order_BV = x.sort(-1, descending=True)
+    probs = sorted_BV.softmax(-1)
+    ranks = torch.arange(x.shape[-1], device=x.device)
+    drop = ranks[None, :] >= top_k_B[:, None]
+    drop |= (probs.cumsum(-1) - probs) >= top_p_B[:, None]  # the most likely token always stays
+    drop |= probs < min_p_B[:, None] * probs[:, :1]
+    probs = sorted_BV.masked_fill(drop, float("-inf")).softmax(-1)
+    noise = torch.stack([torch.empty(x.shape[-1], device=x.device).exponential_(generator=g) for g in generators])
+    choice_B = (probs / noise).argmax(-1)
+    sampled_B = order_BV.gather(1, choice_B[:, None]).squeeze(1)
+    return torch.where(temperature_B == 0, greedy_B, sampled_B)

@@ -1,0 +1,125 @@
+"""What goes into the engine and what comes out of it (the engine/server contract), and the per-sequence
+bookkeeping the scheduler keeps between steps."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+from kimik3.inference.sampling import SamplingParams
+
+
+class TokenConstraint(Protocol):
+    """Structured output: which tokens may come next (applied as a -inf mask before sampling)."""
+
+    def allowed(self) -> torch.Tensor | None: ...  # bool [V] of tokens allowed next (None = no constraint now)
+
+    def accept(self, token_id: int) -> None: ...  # advance the constraint by the sampled token
+
+    def is_finished(self) -> bool: ...  # grammar complete: the engine stops with finish_reason "stop"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    mm_hashes: tuple[str, ...] = ()  # content hashes of media pads (chained into prefix keys)
+    constraint: TokenConstraint | None = None
+    # for n > 1 the engine forks the request into n sequences; each gets constraint_factory() if given
+    constraint_factory: Callable[[], TokenConstraint] | None = None
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # top-k (id, logprob)
+
+
+@dataclass
+class SequenceOutput:
+    index: int
+    token_ids: list[int]  # all generated ids so far
+    new_token_ids: list[int]  # ids generated since the previous step() output
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    stop_reason: int | str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    outputs: list[SequenceOutput]
+    finished: bool
+    cached_tokens: int  # prompt tokens not recomputed (prefix-cache hit)
+    prompt_logprobs: list[TokenLogprob | None] | None  # first entry None
+    metrics: dict  # arrival, first_token, finished (time.monotonic()), queue_time
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a request: its tokens (prompt + output), how many of them the pools hold, where.
+
+    The state in its KDA slot and MLA blocks always covers exactly tokens[:num_computed]; a step computes
+    tokens[num_computed:num_computed + n], and once num_computed == len(tokens) the step's logits give the
+    next token."""
+
+    group: RequestState
+    index: int
+    tokens: list[int]
+    constraint: TokenConstraint | None = None
+    generator: torch.Generator | None = None
+    num_computed: int = 0
+    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    reported: int = 0  # output tokens already returned by step()
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.group.request.prompt_ids)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.request.params
+
+
+@dataclass(eq=False)
+class RequestState:
+    request: Request
+    root_key: bytes
+    arrival: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # n > 1: the other n-1 sequences exist (made when the prompt's prefill ends)
+    reserved: list[int] = field(default_factory=list)  # n > 1: their KDA slots, taken at admission
+    cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == (self.request.params.n if self.forked else 1) and all(
+            s.status is Status.FINISHED for s in self.seqs)

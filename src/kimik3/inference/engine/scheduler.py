@@ -1,0 +1,171 @@
+"""Which tokens of which sequences the next step computes, and where their state lives.
+
+One token budget per step (`max_num_batched_tokens`) over the running sequences (in admission order) and
+then the waiting ones (first come, first served). A decode costs one token; a prefill takes what is left of
+the budget, in chunks that end on the 64-token grid (all but a prompt's last), so prefix snapshots sit on
+the grid and a restored sequence chunks exactly as a cold one. When the MLA block pool runs dry the prefix
+cache gives back blocks first; then the most recently admitted running sequence is preempted (its slot and
+blocks are freed and it is recomputed later, possibly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kimik3.inference.engine.pools import BlockPool, SlotPool
+from kimik3.inference.engine.prefix_cache import GRID, PrefixCache
+from kimik3.inference.engine.request import RequestState, Sequence, Status
+
+
+@dataclass
+class Chunk:
+    seq: Sequence
+    num_tokens: int
+    exports: list[int] = field(default_factory=list)  # offsets from the chunk start to snapshot after
+
+
+class Scheduler:
+    def __init__(self, slots: SlotPool, blocks: BlockPool, cache: PrefixCache | None, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, snapshot_interval: int, interior_snapshots: bool):
+        self.slots, self.blocks, self.cache = slots, blocks, cache
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.snapshot_interval, self.interior_snapshots = snapshot_interval, interior_snapshots
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def schedule(self) -> list[Chunk]:
+        budget, chunks, preempted = self.budget, [], False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._chunk_size(seq, budget)
+            if n == 0:
+                continue
+            while not self._reserve(seq, n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                chunks.append(Chunk(seq, n, self._exports(seq, n)))
+                budget -= n
+        while self.waiting and budget and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            group = seq.group
+            need = group.request.params.n if not group.forked else 1
+            if len(self.slots) < need or len(self.running) + need > self.max_num_seqs:
+                break
+            if not self._admit(seq, budget):
+                break
+            self.waiting.popleft()
+            n = self._chunk_size(seq, budget)
+            chunks.append(Chunk(seq, n, self._exports(seq, n)))
+            budget -= n
+        return chunks
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        left = len(seq.tokens) - seq.num_computed
+        if left <= budget:
+            return left
+        end = (seq.num_computed + budget) // GRID * GRID  # a cut chunk ends on the grid
+        return max(end - seq.num_computed, 0)
+
+    def _exports(self, seq: Sequence, n: int) -> list[int]:
+        """Offsets in this chunk after which the state is snapshot: the grid points on the snapshot interval,
+        and the prompt's last grid point (the one its own retries and identical prompts will hit)."""
+        if self.cache is None or seq.group.request.params.prompt_logprobs is not None:
+            return []
+        start, end = seq.num_computed, seq.num_computed + n
+        last = (seq.num_prompt - 1) // GRID * GRID
+        want = [p for p in range((start // GRID + 1) * GRID, end + 1, GRID)
+                if p % self.snapshot_interval == 0 or p == last]
+        if not self.interior_snapshots:
+            want = [p for p in want if p == end]
+        return [p - start for p in want]
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Allocate the blocks that positions [num_computed, num_computed + n) need."""
+        need = -(-(seq.num_computed + n) // self.blocks.size) - len(seq.blocks)
+        if need > len(self.blocks) and self.cache is not None:
+            self.cache.evict(need_free_blocks=need)
+        if need > len(self.blocks):
+            return False
+        seq.blocks.extend(self.blocks.allocate() for _ in range(need))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Give a waiting sequence a slot, restore its longest cached prefix, reserve its first chunk."""
+        group = seq.group
+        hit = None
+        use_cache = self.cache is not None and group.request.params.prompt_logprobs is None
+        if use_cache:
+            hit = self.cache.lookup(group.root_key, seq.tokens, len(seq.tokens) - 1)
+        slot = self.slots.allocate()
+        if hit is not None:
+            self.slots.load(slot, hit.state)
+            p, size = len(hit.tokens), self.blocks.size
+            full = p // size
+            for b in hit.blocks[:full]:
+                self.blocks.ref(b)
+            seq.blocks = list(hit.blocks[:full])
+            if p % size:  # the partial last block is copied: this sequence writes past p into its own copy
+                if not len(self.blocks):
+                    self.cache.evict(need_free_blocks=1)
+                if not len(self.blocks):
+                    self._release(seq, slot)
+                    return False
+                b = self.blocks.allocate()
+                self.blocks.copy(hit.blocks[full], b, p % size)
+                seq.blocks.append(b)
+            seq.num_computed = p
+        seq.slot = slot
+        n = self._chunk_size(seq, budget)
+        if n == 0 or not self._reserve(seq, n):
+            self._release(seq, slot)
+            return False
+        if not group.forked:  # n > 1: the other choices' slots are taken now, used when the prefill ends
+            group.reserved = [self.slots.allocate() for _ in range(group.request.params.n - 1)]
+        if use_cache and group.first_scheduled is None:
+            self.cache.queries_tokens += seq.num_prompt
+            group.cached_tokens = seq.num_computed
+            self.cache.hit_tokens += seq.num_computed
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _release(self, seq: Sequence, slot: int | None) -> None:
+        for b in seq.blocks:
+            self.blocks.unref(b)
+        seq.blocks, seq.num_computed, seq.slot = [], 0, None
+        if slot is not None:
+            self.slots.release(slot)
+
+    def _unreserve(self, group: RequestState) -> None:
+        while group.reserved:
+            self.slots.release(group.reserved.pop())
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: free everything; the sequence goes back to the front of the queue."""
+        self.running.remove(seq)
+        self._release(seq, seq.slot)
+        self._unreserve(seq.group)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq, seq.slot)
+        self._unreserve(seq.group)
+        seq.status = Status.FINISHED
+
+    def add(self, group: RequestState) -> None:
+        self.waiting.extend(group.seqs)

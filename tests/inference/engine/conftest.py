@@ -1,0 +1,44 @@
+"""The engine's tests: the tiny config in fp32 on the reference ops, the static `generate()` and a full
+forward as the oracles, NaN-poisoned free slots, blocks and evicted snapshots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimik3.inference import SamplingParams, generate
+from kimik3.inference.engine import Engine
+from kimik3.model import K3ForCausalLM
+from tests.helpers import randomize
+
+
+@pytest.fixture(scope="module")
+def model(tiny_config):
+    return randomize(K3ForCausalLM(tiny_config.text, torch.float32), seed=5).eval()
+
+
+def make_engine(model, **kw) -> Engine:
+    """Small pools and chunks, snapshots on every grid point, NaN in everything freed."""
+    args = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16, snapshot_interval=64,
+                poison=True)
+    return Engine(model, **{**args, **kw})
+
+
+def greedy(max_new_tokens: int = 6, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=max_new_tokens, **kw)
+
+
+def reference_tokens(model, prompts, params) -> list[list[int]]:
+    return [c.token_ids for c in generate(model, prompts, params)]
+
+
+@torch.no_grad()
+def full_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V] log-softmax of a full forward over prompt + output, at the rows predicting output."""
+    ids = torch.tensor([prompt + output[:-1]])
+    return model(ids)[0, len(prompt) - 1:].float().log_softmax(-1)
+
+
+def random_prompts(vocab: int, lengths, generator_seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(generator_seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,109 @@
+"""Engine == static generate() (greedy tokens) and == a full forward (logprobs, 1e-5 relative)."""
+
+from __future__ import annotations
+
+import torch
+
+from kimik3.inference import generate
+from kimik3.inference.engine import Request
+from tests.helpers import rel_err
+from tests.inference.engine.conftest import full_logprobs, greedy, make_engine, random_prompts, reference_tokens
+
+
+def check_logprobs(model, prompt, seq_out, k):
+    ref = full_logprobs(model, prompt, seq_out.token_ids)
+    got = torch.tensor([lp.logprob for lp in seq_out.logprobs])
+    want = ref.gather(1, torch.tensor(seq_out.token_ids)[:, None])[:, 0]
+    assert rel_err(got, want) < 1e-5
+    top_got = torch.tensor([[v for _, v in lp.top] for lp in seq_out.logprobs])
+    top_ids = torch.tensor([[i for i, _ in lp.top] for lp in seq_out.logprobs])
+    assert top_got.shape == (len(seq_out.token_ids), k)
+    assert rel_err(top_got, ref.gather(1, top_ids)) < 1e-5
+    assert torch.equal(top_ids[:, 0], ref.argmax(-1))
+
+
+def test_eight_mixed_lengths_chunked(model):
+    """8 concurrent prompts of 1..200 tokens, prefill chunked at 128 tokens per step, decodes interleaved."""
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (1, 5, 63, 64, 65, 130, 200, 33))
+    params = greedy(7, logprobs=3)
+    ref = reference_tokens(model, prompts, params)
+    engine = make_engine(model)
+    outs = engine.generate(prompts, params)
+    for prompt, want, out in zip(prompts, ref, outs):
+        assert out.finished and out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].token_ids == want
+        check_logprobs(model, prompt, out.outputs[0], 3)
+    assert engine.stats["running"] == engine.stats["waiting"] == 0
+    assert len(engine.slots) == engine.cache.num_slots  # every slot back
+
+
+def test_admitted_mid_run(model):
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (40, 90, 7, 150, 20, 66), generator_seed=1)
+    params = greedy(8)
+    ref = reference_tokens(model, prompts, params)
+    engine = make_engine(model)
+    done = {}
+    for i in range(3):
+        engine.add_request(Request(str(i), prompts[i], params))
+    for _ in range(3):
+        for out in engine.step():
+            done[out.request_id] = out
+    for i in range(3, 6):
+        engine.add_request(Request(str(i), prompts[i], params))
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert [done[str(i)].outputs[0].token_ids for i in range(6)] == ref
+
+
+def test_streamed_new_tokens_add_up(model):
+    prompts = random_prompts(model.config.vocab_size, (30, 70), generator_seed=2)
+    engine = make_engine(model)
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(str(i), p, greedy(5)))
+    pieces = {"0": [], "1": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            pieces[out.request_id] += out.outputs[0].new_token_ids
+            assert out.outputs[0].token_ids == pieces[out.request_id]
+    assert [pieces["0"], pieces["1"]] == reference_tokens(model, prompts, greedy(5))
+
+
+def test_preemption_recomputes_exactly(model):
+    """A pool of 12 blocks of 16 tokens cannot hold four growing sequences: some are preempted and recomputed."""
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (40, 45, 50, 38), generator_seed=3)
+    params = greedy(20)
+    ref = reference_tokens(model, prompts, params)
+    engine = make_engine(model, num_blocks=12, enable_prefix_cache=False)
+    outs = engine.generate(prompts, params)
+    assert engine.stats["preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_prompt_logprobs_equal_full_forward(model):
+    prompt = random_prompts(model.config.vocab_size, (150,), generator_seed=4)[0]
+    engine = make_engine(model)
+    out = engine.generate([prompt], greedy(2, prompt_logprobs=2))[0]
+    lp = out.prompt_logprobs
+    assert lp[0] is None and len(lp) == len(prompt)
+    ref = model(torch.tensor([prompt]))[0, :-1].float().log_softmax(-1)
+    got = torch.tensor([e.logprob for e in lp[1:]])
+    assert rel_err(got, ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]) < 1e-5
+    assert [e.top[0][0] for e in lp[1:]] == ref.argmax(-1).tolist()
+    assert out.cached_tokens == 0
+
+
+def test_demo_model_greedy_equals_generate():
+    from kimik3.checkpoint.loader import load
+    from kimik3.presets import DEMO_MODEL
+
+    model = load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True).eval()
+    eos = (model.config.eos_token_id,)
+    prompts = random_prompts(model.config.text.vocab_size, (20, 70, 3), generator_seed=5)
+    params = greedy(6)
+    outs = make_engine(model, eos_token_ids=eos).generate(prompts, params)
+    ref = [c.token_ids for c in generate(model, prompts, params, eos_token_ids=eos)]
+    assert [o.outputs[0].token_ids for o in outs] == ref

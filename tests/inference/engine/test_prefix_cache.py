@@ -1,0 +1,151 @@
+"""Prefix reuse of the hybrid state: exact, and only where the forward wrote the state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimik3.inference import SamplingParams
+from kimik3.inference.engine import Request
+from tests.helpers import rel_err
+from tests.inference.engine.conftest import full_logprobs, greedy, make_engine, random_prompts, reference_tokens
+
+
+def run_one(engine, rid, prompt, params):
+    engine.add_request(Request(rid, prompt, params))
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out = o if o.request_id == rid else out
+    return out
+
+
+@pytest.mark.parametrize("shared", [63, 64, 65, 127, 128, 129])  # the 64-token grid and MLA's 128-token switch
+def test_shared_prefix_hits_on_the_grid(model, shared):
+    V = model.config.vocab_size
+    base, tail_a, tail_b = random_prompts(V, (shared, 9, 11), generator_seed=shared)
+    a, b = base + tail_a, base + tail_b
+    params = greedy(5, logprobs=1)
+    engine = make_engine(model)
+    out_a = run_one(engine, "a", a, params)
+    out_b = run_one(engine, "b", b, params)
+    assert out_a.cached_tokens == 0
+    assert out_b.cached_tokens == shared // 64 * 64
+    for prompt, out in ((a, out_a), (b, out_b)):
+        assert out.outputs[0].token_ids == reference_tokens(model, [prompt], params)[0]
+        ref = full_logprobs(model, prompt, out.outputs[0].token_ids)
+        got = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs])
+        assert rel_err(got, ref.gather(1, torch.tensor(out.outputs[0].token_ids)[:, None])[:, 0]) < 1e-5
+    assert engine.stats["prefix_hit_tokens"] == shared // 64 * 64
+
+
+def test_a_b_a_interleaving_with_a_three_snapshot_budget(model):
+    """20 rounds of A then B (a shared 64-token head, then different): eviction churns every round; every
+    answer stays the cold one (evicted snapshots and freed rows are NaN, so a stale read would show)."""
+    V = model.config.vocab_size
+    head, ta, tb = random_prompts(V, (64, 80, 75), generator_seed=7)
+    a, b = head + ta, head + tb
+    params = greedy(3)
+    want = reference_tokens(model, [a, b], params)
+    probe = make_engine(model)
+    budget = 3 * probe.cache.slot_bytes + 16 * probe.cache.block_bytes
+    engine = make_engine(model, prefix_cache_bytes=budget)
+    hits = 0
+    for r in range(20):
+        for name, prompt, ref in (("a", a, want[0]), ("b", b, want[1])):
+            out = run_one(engine, f"{name}{r}", prompt, params)
+            assert out.outputs[0].token_ids == ref, (r, name)
+            hits += out.cached_tokens > 0
+            assert engine.prefix.nbytes <= budget
+    assert hits >= 20  # the budget still lets most turns hit something
+    assert engine.stats["kda_snapshots"] <= 3
+
+
+def test_eight_concurrent_cold_prefills_of_one_prefix(model):
+    V = model.config.vocab_size
+    head = random_prompts(V, (150,), generator_seed=8)[0]
+    tails = random_prompts(V, [3 + i for i in range(8)], generator_seed=9)
+    prompts = [head + t for t in tails]
+    params = greedy(4)
+    engine = make_engine(model, max_num_batched_tokens=256)
+    outs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(model, prompts, params)
+    again = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    assert all(o.cached_tokens == 128 for o in again)
+
+
+def test_n3_forks_one_prefilled_state(model):
+    prompt = random_prompts(model.config.vocab_size, (90,), generator_seed=10)[0]
+    engine = make_engine(model)
+    sampled = SamplingParams(temperature=1.0, seed=123, max_new_tokens=6, n=3)
+    out = engine.generate([prompt], sampled)[0]
+    assert [s.index for s in out.outputs] == [0, 1, 2]
+    # choice i samples exactly as a lone request seeded seed + i (its state is a copy of the one prefill)
+    for i, choice in enumerate(out.outputs):
+        alone = make_engine(model, enable_prefix_cache=False).generate(
+            [prompt], SamplingParams(temperature=1.0, seed=123 + i, max_new_tokens=6))[0]
+        assert choice.token_ids == alone.outputs[0].token_ids
+    assert len({tuple(s.token_ids) for s in out.outputs}) > 1
+    g = engine.generate([prompt], greedy(6, n=3))[0]
+    assert [s.token_ids for s in g.outputs] == reference_tokens(model, [prompt], greedy(6)) * 3
+    assert len(engine.slots) == engine.cache.num_slots
+
+
+def test_second_turn_hits_the_first_turns_end(model):
+    V = model.config.vocab_size
+    turn1, user2 = random_prompts(V, (70, 12), generator_seed=11)
+    params = greedy(9)
+    engine = make_engine(model)
+    out1 = run_one(engine, "t1", turn1, params)
+    turn2 = turn1 + out1.outputs[0].token_ids + user2
+    out2 = run_one(engine, "t2", turn2, params)
+    # the end snapshot holds prompt + output but the last sampled token (never fed to the model)
+    assert out2.cached_tokens == len(turn1) + len(out1.outputs[0].token_ids) - 1
+    assert out2.outputs[0].token_ids == reference_tokens(model, [turn2], params)[0]
+
+
+def test_restored_then_continued_equals_cold_bitwise(model):
+    """A warm request (restored on the grid, chunked on the same grid) computes exactly the cold one's numbers."""
+    prompt = random_prompts(model.config.vocab_size, (150,), generator_seed=12)[0]
+    params = greedy(6, logprobs=4)
+    engine = make_engine(model, max_num_batched_tokens=64)
+    cold = run_one(engine, "cold", prompt, params)
+    warm = run_one(engine, "warm", prompt, params)
+    assert cold.cached_tokens == 0 and warm.cached_tokens == 128
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert [(lp.logprob, lp.top) for lp in warm.outputs[0].logprobs] == \
+        [(lp.logprob, lp.top) for lp in cold.outputs[0].logprobs]
+
+
+def test_non_finite_state_is_refused(model):
+    V = model.config.vocab_size
+    prompt = random_prompts(V, (100,), generator_seed=13)[0]
+    engine = make_engine(model)
+    engine.add_request(Request("bad", prompt, greedy(4)))
+    engine.step()  # the prefill: its grid snapshot at 64 is taken (finite)
+    seq = engine.requests["bad"].seqs[0]
+    engine.cache.kda[0].recurrent[seq.slot].fill_(float("inf"))  # poison the running state on purpose
+    out = None
+    while engine.has_unfinished():
+        out = engine.step()[0] if engine.has_unfinished() else out
+    assert engine.stats["nonfinite_refused"] >= 1
+    full = prompt + out.outputs[0].token_ids
+    follow = run_one(engine, "next", full + [1, 2], greedy(3))
+    assert follow.cached_tokens == 64  # the clean grid snapshot, never the poisoned end state
+    assert follow.outputs[0].token_ids == reference_tokens(model, [full + [1, 2]], greedy(3))[0]
+
+
+def test_salt_and_flush_isolate(model):
+    prompt = random_prompts(model.config.vocab_size, (100,), generator_seed=14)[0]
+    engine = make_engine(model)
+    engine.generate([prompt], greedy(2))
+    salted = Request("s", prompt, greedy(2), cache_salt="tenant-b")
+    engine.add_request(salted)
+    while engine.has_unfinished():
+        out = engine.step()
+    assert out[0].cached_tokens == 0
+    assert engine.generate([prompt], greedy(2))[0].cached_tokens == 64
+    engine.reset_prefix_cache()
+    assert engine.stats["kda_snapshots"] == 0 and engine.prefix.nbytes == 0
+    assert engine.generate([prompt], greedy(2))[0].cached_tokens == 0
