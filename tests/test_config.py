@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -92,7 +93,7 @@ def test_config_file_errors(tmp_path):
 
 
 def test_config_is_frozen(tiny_config):
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         tiny_config.text.hidden_size = 3
     assert K3Config.from_hf(copy.deepcopy(tiny_config.hf)) == tiny_config
 

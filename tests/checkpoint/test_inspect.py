@@ -33,7 +33,7 @@ def _write_released(root):
     sizes = [s.dtype.itemsize * math.prod(s.shape) for s in specs]
     total, done = sum(sizes), 0
     shards: list[list[TensorSpec]] = [[] for _ in range(SHARDS)]
-    for spec, size in zip(specs, sizes):  # cut by bytes, as a size-capped writer would
+    for spec, size in zip(specs, sizes, strict=True):  # cut by bytes, as a size-capped writer would
         shards[min(SHARDS - 1, done * SHARDS // total)].append(spec)
         done += size
     weight_map = {}

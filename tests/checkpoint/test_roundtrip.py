@@ -8,9 +8,9 @@ from safetensors import safe_open
 
 import kimik3
 from kimik3.checkpoint import load, save
+from kimik3.checkpoint.inventory import without_vision
 from kimik3.checkpoint.writer import _generation_config, parse_size
 from kimik3.config import K3Config
-from kimik3.checkpoint.inventory import without_vision
 from kimik3.model import K3ForCausalLM, K3ForConditionalGeneration
 from kimik3.model.moe import MXFP4Experts, pack_experts
 from kimik3.ops.mxfp4 import decode

@@ -7,8 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kimik3.checkpoint import inspect_checkpoint, load, save
-from kimik3.checkpoint.keys import TensorSpec, is_vision_key
-from kimik3.checkpoint.keys import checkpoint_specs
+from kimik3.checkpoint.keys import TensorSpec, checkpoint_specs, is_vision_key
 from kimik3.checkpoint.safetensors_header import encode_header
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.moe import pack_experts

@@ -43,6 +43,7 @@ from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.moe import pack_experts
 from kimik3.ops.mxfp4 import decode, encode
 
+
 def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
          text_only: bool | None = None, keep_experts_packed: bool = False, quiet: bool = False,
          expert_shard: tuple[int, int] | None = None, experts: str | None = None) -> K3ForConditionalGeneration:

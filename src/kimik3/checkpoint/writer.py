@@ -104,9 +104,9 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
         produce = _Producer(model, checkpoint_prefix(model))
         total = sum(_nbytes(s) for s in specs)
         with progress_bar("saving", total, len(specs), wanted(quiet)) as advance:
-            for name, shard in zip(names, shards):
+            for name, shard in zip(names, shards, strict=True):
                 write_shard(tmp / name, shard, produce, advance)
-        weight_map = {s.name: n for n, shard in zip(names, shards) for s in shard}
+        weight_map = {s.name: n for n, shard in zip(names, shards, strict=True) for s in shard}
         _write_json(tmp / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         _write_json(tmp / CONFIG, _config_json(cfg, experts, dtype, with_vision))
         _write_json(tmp / GENERATION_CONFIG, _generation_config(cfg))
@@ -169,7 +169,7 @@ def write_shard(path: Path, specs: list[TensorSpec], produce: Callable[[TensorSp
     header, sizes = encode_header([(s.name, s.dtype, s.shape) for s in specs], {"format": "pt"})
     with open(path, "wb") as f:
         f.write(header)
-        for spec, nbytes in zip(specs, sizes):
+        for spec, nbytes in zip(specs, sizes, strict=True):
             t = produce(spec)
             assert t.dtype == spec.dtype and tuple(t.shape) == spec.shape, (spec, t.dtype, t.shape)
             # safetensors stores little-endian: the raw bytes of a contiguous CPU tensor on this host

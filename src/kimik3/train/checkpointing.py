@@ -11,7 +11,8 @@ A folder is written by `kimik3.checkpoint.publish_atomically` as `.step-00000300
 folders fsynced), then renamed into place and the parent fsynced; a kill at any moment leaves the previous step
 folders intact and at worst a hidden `.partial`/`.old` folder, which the next start deletes. `model/` also gets
 the tokenizer and model card of the run's `model.checkpoint` folder (else its `data.tokenizer`), so it is a
-complete checkpoint folder for `kimik3 generate --model`. After a save only the newest `checkpoint.keep` step folders are kept.
+complete checkpoint folder for `kimik3 generate --model`. After a save only the newest `checkpoint.keep` step
+folders are kept.
 Optimizer state is keyed by parameter name (the format of torch.distributed.checkpoint's full state dict), so
 a checkpoint written by N ranks resumes on any number of ranks.
 """
@@ -82,8 +83,8 @@ def named_optimizer_state(model: nn.Module, optimizers: list[torch.optim.Optimiz
     state, groups = {}, []
     for opt in optimizers:
         sd = opt.state_dict()
-        name_of = {i: names[id(p)] for g_sd, g in zip(sd["param_groups"], opt.param_groups)
-                   for i, p in zip(g_sd["params"], g["params"])}
+        name_of = {i: names[id(p)] for g_sd, g in zip(sd["param_groups"], opt.param_groups, strict=True)
+                   for i, p in zip(g_sd["params"], g["params"], strict=True)}
         state.update({name_of[i]: s for i, s in sd["state"].items()})
         groups += [{**g, "params": [name_of[i] for i in g["params"]]} for g in sd["param_groups"]]
     return {"state": state, "param_groups": groups}
@@ -96,13 +97,13 @@ def load_named_optimizer_state(model: nn.Module, optimizers: list[torch.optim.Op
     for opt in optimizers:
         sd = opt.state_dict()
         groups, state = [], {}
-        for g_sd, g in zip(sd["param_groups"], opt.param_groups):
+        for g_sd, g in zip(sd["param_groups"], opt.param_groups, strict=True):
             key = tuple(names[id(p)] for p in g["params"])
             if key not in by_params:
                 raise ValueError("the checkpoint's optimizer groups do not match this model's parameters "
                                  "(optim.name or the model changed?)")
             groups.append({**by_params[key], "params": g_sd["params"]})
-            state.update({i: full["state"][n] for i, n in zip(g_sd["params"], key) if n in full["state"]})
+            state.update({i: full["state"][n] for i, n in zip(g_sd["params"], key, strict=True) if n in full["state"]})
         opt.load_state_dict({"state": state, "param_groups": groups})
 
 
