@@ -95,6 +95,7 @@ class Engine:
         self.eos = tuple(eos_token_ids)
         self.model_id = model_id
         self.requests: dict[str, RequestState] = {}
+        self.aborted: list[RequestState] = []  # final outputs the next step() returns
         self.counters = dict(aborts=0, prompt_tokens_total=0, generation_tokens_total=0)
 
     # ---- the contract --------------------------------------------------------------------------------------
@@ -125,7 +126,9 @@ class Engine:
         self.counters["prompt_tokens_total"] += len(ids)
 
     def abort(self, request_id: str) -> None:
-        group = self.requests.pop(request_id, None)
+        """Stop a request now (its slot and blocks are free before the next forward); the next `step()`
+        returns its final output with finish_reason "abort". Unknown or finished ids are ignored."""
+        group = self.requests.get(request_id)
         if group is None:
             return
         for seq in group.seqs:
@@ -133,6 +136,7 @@ class Engine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         self.counters["aborts"] += 1
+        self.aborted.append(group)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -173,9 +177,11 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
+        aborted = [self._output(g) for g in self.aborted]
+        self.aborted.clear()
         chunks = self.scheduler.schedule()
         if not chunks:
-            return []
+            return aborted
         now = time.monotonic()
         for c in chunks:
             c.seq.group.first_scheduled = c.seq.group.first_scheduled or now
@@ -212,7 +218,7 @@ class Engine:
             for seq, token, lp in zip(seqs, tokens, logprobs):
                 self._append(seq, token, lp)
                 advanced[seq.group.request.request_id] = seq.group
-        return [self._output(g) for g in advanced.values()]
+        return aborted + [self._output(g) for g in advanced.values()]
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _generator(self, p: SamplingParams, index: int) -> torch.Generator:
@@ -320,7 +326,8 @@ class Engine:
             outs.append(SequenceOutput(seq.index, list(out), out[seq.reported:], seq.logprobs, seq.finish_reason,
                                        seq.stop_reason))
             seq.reported = len(out)
-        finished = group.finished
+        # an aborted n > 1 request may end before its fork: with the one sequence it has
+        finished = group.finished or any(s.finish_reason == "abort" for s in group.seqs)
         if finished:
             group.finished_at = time.monotonic()
             self.requests.pop(group.request.request_id, None)

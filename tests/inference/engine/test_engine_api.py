@@ -1,0 +1,145 @@
+"""The engine's surface: abort, refusals, limits, per-request sampling features, the constraint hook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimik3.inference import SamplingParams
+from kimik3.inference.engine import Request
+from tests.inference.engine.conftest import greedy, make_engine, random_prompts, reference_tokens
+
+
+def drain(engine) -> dict:
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    return outs
+
+
+def test_abort_frees_before_the_next_forward(model):
+    prompts = random_prompts(model.config.vocab_size, (40, 90), generator_seed=20)
+    engine = make_engine(model)
+    engine.add_request(Request("keep", prompts[0], greedy(6)))
+    engine.add_request(Request("drop", prompts[1], greedy(50)))
+    engine.step()
+    engine.abort("drop")
+    engine.abort("never-seen")  # ignored
+    assert engine.stats["running"] == 1 and engine.stats["aborts"] == 1
+    first = engine.step()
+    dropped = next(o for o in first if o.request_id == "drop")
+    assert dropped.finished and dropped.outputs[0].finish_reason == "abort"
+    outs = drain(engine)
+    assert outs["keep"].outputs[0].token_ids == reference_tokens(model, prompts[:1], greedy(6))[0]
+    assert len(engine.slots) == engine.cache.num_slots and len(engine.blocks) + sum(
+        1 for r in engine.blocks.refs if r) == engine.cache.num_blocks
+
+
+def test_refusals_name_the_problem(model):
+    engine = make_engine(model, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len 64"):
+        engine.add_request(Request("long", [1] * 64, greedy()))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(Request("empty", [], greedy()))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request(Request("oov", [model.config.vocab_size], greedy()))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.add_request(Request("wide", [1, 2], greedy(n=9)))
+    engine.add_request(Request("x", [1, 2], greedy()))
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request(Request("x", [1, 2], greedy()))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_engine(model, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="block_size"):
+        make_engine(model, block_size=24)
+
+
+def test_length_stops_at_max_model_len(model):
+    engine = make_engine(model, max_model_len=40)
+    out = engine.generate([[3] * 36], greedy(50))[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+def test_stop_ids_eos_and_ignore_eos(model):
+    prompt = random_prompts(model.config.vocab_size, (30,), generator_seed=21)[0]
+    free = reference_tokens(model, [prompt], greedy(8))[0]
+    stop = free[3]
+    cut = free.index(stop) + 1
+    out = make_engine(model, eos_token_ids=(stop,)).generate([prompt], greedy(8))[0].outputs[0]
+    assert out.token_ids == free[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    out = make_engine(model, eos_token_ids=(stop,)).generate([prompt], greedy(8, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == free and out.finish_reason == "length"
+    out = make_engine(model).generate([prompt], greedy(8, stop_token_ids=(stop,)))[0].outputs[0]
+    assert out.token_ids == free[:cut]
+
+
+def test_stop_strings_with_a_tokenizer(model):
+    class Digits:
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    prompt = random_prompts(model.config.vocab_size, (30,), generator_seed=22)[0]
+    free = reference_tokens(model, [prompt], greedy(8))[0]
+    text = f" {free[2]} "
+    out = make_engine(model, tokenizer=Digits()).generate([prompt], greedy(8, stop=(text,)))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == text and len(out.token_ids) <= 4
+
+
+def test_logit_bias_and_penalties(model):
+    prompt = random_prompts(model.config.vocab_size, (20,), generator_seed=23)[0]
+    out = make_engine(model).generate([prompt], greedy(5, logit_bias=((7, 100.0),)))[0].outputs[0]
+    assert out.token_ids == [7] * 5
+    # a frequency penalty of 2 against a bias of 5: token 7 wins until its count outweighs the bias
+    out = make_engine(model).generate([prompt], greedy(6, logit_bias={7: 5.0}, frequency_penalty=2.0))[0]
+    toks = out.outputs[0].token_ids
+    assert toks[0] == 7 and toks.count(7) < 6
+    pres = make_engine(model).generate([prompt], greedy(6, logit_bias={7: 5.0}, presence_penalty=2.0))[0]
+    assert pres.outputs[0].token_ids[0] == 7
+
+
+def test_seeded_request_ignores_its_batch(model):
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (25, 60, 9, 100), generator_seed=24)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_new_tokens=6)
+    alone = make_engine(model).generate(prompts[:1], seeded)[0].outputs[0].token_ids
+    mixed = make_engine(model).generate(prompts, [seeded] + [SamplingParams(temperature=1.2, max_new_tokens=9)] * 3)
+    assert mixed[0].outputs[0].token_ids == alone
+
+
+def test_token_constraint_masks_and_finishes(model):
+    class EvenThenDone:
+        """Only even ids, and complete after three tokens."""
+
+        def __init__(self):
+            self.seen = []
+
+        def allowed(self):
+            mask = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+            mask[::2] = True
+            return mask
+
+        def accept(self, token_id):
+            self.seen.append(token_id)
+
+        def is_finished(self):
+            return len(self.seen) == 3
+
+    prompt = random_prompts(model.config.vocab_size, (20,), generator_seed=25)[0]
+    engine = make_engine(model)
+    engine.add_request(Request("c", prompt, SamplingParams(temperature=1.0, max_new_tokens=10, n=2),
+                               constraint_factory=EvenThenDone))
+    out = drain(engine)["c"]
+    for choice in out.outputs:
+        assert len(choice.token_ids) == 3 and all(t % 2 == 0 for t in choice.token_ids)
+        assert choice.finish_reason == "stop"
+
+
+def test_metrics_and_stats(model):
+    engine = make_engine(model)
+    out = engine.generate(random_prompts(model.config.vocab_size, (80,), generator_seed=26), greedy(3))[0]
+    m = out.metrics
+    assert m["arrival"] <= m["first_token"] <= m["finished"] and m["queue_time"] >= 0
+    s = engine.stats
+    assert s["prompt_tokens_total"] == 80 and s["generation_tokens_total"] == 3
+    assert s["kda_snapshots"] >= 1 and s["kda_snapshot_bytes"] > 0 and 0 <= s["cache_usage"] <= 1
