@@ -59,8 +59,8 @@ def tool_call_grammar(tools: Sequence[tuple[str, dict[str, Any] | None]], *, thi
     if not tools:
         raise ValueError("constraints: tool_call_grammar needs at least one (name, schema) tool")
     head = (_THINK_CLOSE + '<|open|> "response" <|sep|> ') if thinking else ""
-    rules = [f'start: {head}<|close|> "response" <|sep|> <|open|> "tools" <|sep|> call <|close|> "tools" <|sep|> '
-             '<|close|> "message" <|sep|> <|end_of_msg|>',
+    rules = [(f'start: {head}<|close|> "response" <|sep|> <|open|> "tools" <|sep|> call <|close|> "tools" <|sep|> '
+              '<|close|> "message" <|sep|> <|end_of_msg|>'),
              "call: " + " | ".join(f"call{k}" for k in range(len(tools)))]
     for k, (name, schema) in enumerate(tools):
         escaped = name.replace("&", "&amp;").replace('"', "&quot;")
@@ -96,7 +96,7 @@ class GrammarVocab:
 
         try:
             grammar = LLMatcher.grammar_from_lark(lark)
-        except Exception as e:  # the binding raises plain exceptions on syntax errors
+        except Exception as e:  # noqa: BLE001 (the binding raises plain exceptions on syntax errors)
             raise ValueError(f"constraints: grammar does not compile: {e}") from None
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
         if is_error:

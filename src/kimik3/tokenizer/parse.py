@@ -136,6 +136,11 @@ class ResponseParser:
         self._delta = Delta()
 
     @property
+    def channel(self) -> str:
+        """Where the next id lands: think, response, between, tools, call, argument, json, closed, done, failed."""
+        return self._state
+
+    @property
     def ended(self) -> bool:
         """`<|end_of_msg|>` was seen: nothing after it is part of the response."""
         return self._state == "done"

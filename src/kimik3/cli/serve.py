@@ -1,0 +1,94 @@
+"""`kimik3 serve [--model DIR] [--host 127.0.0.1] [--port 8000] [engine flags] [--served-model-name] [--api-key]`:
+an OpenAI-compatible HTTP server (needs the `serve` extra)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming, metrics)")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
+                   help="compute dtype (default: float32 on the CPU, the checkpoint's on CUDA)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one engine step at most")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most per sequence")
+    p.add_argument("--prefix-cache-bytes", type=int, default=None, help="byte budget of the prefix cache")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--max-pending", type=int, default=1024,
+                   help="admitted requests (running + waiting) at most; more get 503")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(run=run)
+
+
+def _generation_defaults(path) -> dict:
+    """Sampling defaults from the checkpoint's generation_config.json (the fields a request may leave unset)."""
+    from kimik3.checkpoint.folder import GENERATION_CONFIG
+
+    file = path / GENERATION_CONFIG
+    gen = json.loads(file.read_text()) if file.is_file() else {}
+    return {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
+
+
+def build_engine(args, path):
+    """(engine, tokenizer, model vocabulary width) for `args` (also used by bench/bench_serve.py through the same flags)."""
+    import torch
+
+    import kimik3
+    from kimik3.inference.engine import Engine
+    from kimik3.tokenizer import Tokenizer
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else None)
+    tokenizer = Tokenizer.from_file(path)
+    model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True).eval()
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_model_len=args.max_model_len, prefix_cache_bytes=args.prefix_cache_bytes,
+                    enable_prefix_cache=not args.no_prefix_cache, eos_token_ids=(tokenizer.eos_id,),
+                    model_id=str(path), tokenizer=tokenizer)
+    return engine, tokenizer, model.config.text.vocab_size
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+
+        from kimik3.serve import Server, ServerConfig, build_app
+    except ImportError as e:
+        raise ValueError(f"kimik3 serve needs the serve extra (pip install 'kimik3[serve]'): {e}") from None
+    from kimik3.cli.common import model_path
+
+    path = model_path(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = Server(ServerConfig(model_name=args.served_model_name or path.name, api_key=args.api_key,
+                                 max_pending=args.max_pending, defaults=_generation_defaults(path)))
+    app = build_app(server)
+    failed: list[BaseException] = []
+
+    def load() -> None:  # /health answers 503 while this runs
+        try:
+            engine, tokenizer, vocab_size = build_engine(args, path)
+            server.attach(engine, tokenizer, vocab_size=vocab_size)
+            logging.getLogger("kimik3.serve").info("serving %s as %r on http://%s:%d", path,
+                                                   server.config.model_name, args.host, args.port)
+        except BaseException as e:
+            failed.append(e)
+            logging.getLogger("kimik3.serve").exception("loading %s failed", path)
+            uv.should_exit = True
+
+    uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    threading.Thread(target=load, name="kimik3-load", daemon=True).start()
+    uv.run()
+    if failed:
+        print(f"kimik3 serve: error: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0

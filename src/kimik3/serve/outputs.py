@@ -1,0 +1,187 @@
+"""Engine outputs -> OpenAI choices, one step at a time.
+
+A choice's state turns each engine step's new ids into a `ChoiceDelta`; a streamed response sends each delta as
+chunks, a whole response is the sum of the same deltas. So the stream concatenates to the whole response by
+construction (the fault of vllm#51412 cannot happen): there is one path from ids to text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kimik3.tokenizer import ResponseParser, StreamDecoder, Tokenizer
+
+__all__ = ["ChatChoice", "ChoiceDelta", "StopText", "TextChoice", "chat_logprob", "legacy_logprobs"]
+
+
+class StopText:
+    """Cuts visible text at the first stop string; holds back a tail that could be the start of one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held, self.hit = stops, "", None
+
+    def feed(self, text: str) -> str:
+        if self.hit is not None or not self.stops:
+            return "" if self.hit is not None else text
+        text, self.held = self.held + text, ""
+        found = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        if found:
+            cut, self.hit = min(found)
+            return text[:cut]
+        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held if self.hit is None else ""
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    reasoning: str = ""
+    content: str = ""
+    text: str = ""  # /v1/completions
+    tool_calls: list[dict] = field(default_factory=list)  # {"id", "name", "arguments": JSON string}
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def empty(self) -> bool:
+        return not (self.reasoning or self.content or self.text or self.tool_calls or self.logprobs
+                    or self.finish_reason)
+
+
+def _token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id])
+
+
+def chat_logprob(tok: Tokenizer, lp) -> dict:
+    """One chat `logprobs.content` entry from an engine TokenLogprob."""
+    def entry(t, v):
+        return {"token": _token_text(tok, t), "logprob": v, "bytes": list(tok.decode_bytes([t]))}
+    return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+
+class _Base:
+    def __init__(self, index: int, tok: Tokenizer, stops: list[str]):
+        self.index, self.tok = index, tok
+        self.stop = StopText(stops)
+        self.seen = 0  # generated ids consumed
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _new(self, seq) -> tuple[list[int], list]:
+        ids = list(seq.token_ids[self.seen:])
+        lps = list(seq.logprobs[self.seen:]) if seq.logprobs is not None else []
+        return ids, lps
+
+
+class ChatChoice(_Base):
+    """One chat choice: the K3 response parser, stop strings over content, reasoning-token count."""
+
+    def __init__(self, index: int, tok: Tokenizer, *, thinking: bool, tools_declared: bool, stops: list[str],
+                 id_prefix: str, logprobs: int | None):
+        super().__init__(index, tok, stops)
+        self.parser = ResponseParser(tok, start_in="think" if thinking else "response", id_prefix=id_prefix,
+                                     tools=tools_declared)
+        self.logprobs = logprobs
+        self.reasoning_tokens = 0
+        self.tool_calls: list[dict] = []
+
+    def advance(self, seq) -> ChoiceDelta:
+        """The delta of one engine step (a SequenceOutput)."""
+        delta = ChoiceDelta(self.index)
+        if self.finished:
+            return delta
+        ids, lps = self._new(seq)
+        for k, t in enumerate(ids):
+            in_think = self.parser.channel == "think"
+            d = self.parser.feed([t])
+            self.seen += 1
+            self.reasoning_tokens += in_think
+            delta.reasoning += d.reasoning_content
+            delta.content += self.stop.feed(d.content)
+            for call in d.tool_calls:
+                args = call["arguments"]
+                call = {"id": call["id"], "name": call["name"],
+                        "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
+                delta.tool_calls.append(call)
+                self.tool_calls.append(call)
+            if self.logprobs is not None and k < len(lps):
+                delta.logprobs.append(chat_logprob(self.tok, lps[k]))
+            if self.stop.hit is not None:
+                self.finish_reason, self.stop_reason = "stop", self.stop.hit
+                delta.finish_reason, delta.stop_reason = "stop", self.stop.hit
+                return delta
+        if seq.finish_reason is not None:
+            self.parser.finish()  # an unfinished tag or character at the end is dropped, never shown
+            delta.content += self.stop.flush()
+            reason = seq.finish_reason
+            if reason == "stop" and self.tool_calls:
+                reason = "tool_calls"
+            self.finish_reason, self.stop_reason = reason, seq.stop_reason
+            delta.finish_reason, delta.stop_reason = reason, seq.stop_reason
+        return delta
+
+
+class TextChoice(_Base):
+    """One /v1/completions choice: raw text, stop strings, legacy logprobs. Special ids (markers, EOS) add no text
+    unless `skip_special_tokens` is False (then they are written literally), as in vLLM."""
+
+    def __init__(self, index: int, tok: Tokenizer, *, stops: list[str], logprobs: int | None,
+                 skip_special_tokens: bool = True):
+        super().__init__(index, tok, stops)
+        self.decoder = StreamDecoder(tok)
+        self.logprobs = logprobs
+        self.skip_special = skip_special_tokens
+
+    def advance(self, seq) -> ChoiceDelta:
+        delta = ChoiceDelta(self.index)
+        if self.finished:
+            return delta
+        ids, lps = self._new(seq)
+        for k, t in enumerate(ids):
+            self.seen += 1
+            if not (self.skip_special and self.tok.is_special(t)):
+                delta.text += self.stop.feed(self.decoder.feed([t]))
+            if self.logprobs is not None and k < len(lps):
+                delta.logprobs.append((t, lps[k]))
+            if self.stop.hit is not None:
+                self.finish_reason, self.stop_reason = "stop", self.stop.hit
+                delta.finish_reason, delta.stop_reason = "stop", self.stop.hit
+                return delta
+        if seq.finish_reason is not None:
+            delta.text += self.stop.feed(self.decoder.flush()) + self.stop.flush()
+            self.finish_reason, self.stop_reason = seq.finish_reason, seq.stop_reason
+            delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
+        return delta
+
+
+def legacy_logprobs(tok: Tokenizer, entries: list[tuple[int, Any]], offset: int = 0) -> dict:
+    """OpenAI's legacy completion logprobs {tokens, token_logprobs, top_logprobs, text_offset} from (id, lp|None).
+
+    `top_logprobs` dicts hold the top-k tokens and, as vLLM's do, the chosen token itself.
+    """
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, lp in entries:
+        text = _token_text(tok, t)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if lp is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(lp.logprob)
+        top = {_token_text(tok, i): v for i, v in lp.top}
+        top.setdefault(text, lp.logprob)
+        out["top_logprobs"].append(top)
+    return out
