@@ -317,11 +317,11 @@ class K3Config:
         if vision is not None:
             _check(vision.text_hidden_size == text.hidden_size, "vision_config.text_hidden_size",
                    f"({vision.text_hidden_size}) != text hidden_size ({text.hidden_size})")
-        ids = {}
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
-            where = "" if key in d or key == "media_placeholder_token_id" else "text_config."
-            ids[key] = _get(d if key in d else t, key, where if nested else "", None, int)
-        return cls(text=text, vision=vision, storage=_storage_from_hf(d, t), **ids, hf=json.loads(json.dumps(d)))
+        tw = "text_config." if nested else ""
+        # special ids: the top level's, else text_config's (a config may keep them in one place only)
+        ids = {key: _get(d, key, "", None, int) if key in d else _get(t, key, tw, None, int)
+               for key in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id")}
+        return cls(text=text, vision=vision, storage=_storage_from_hf(d, t, tw), **ids, hf=json.loads(json.dumps(d)))
 
 
 # keys of config.json that K3 reads or that HF configs carry without meaning anything to the model; anything
@@ -370,21 +370,21 @@ def _warn_unknown(d: dict, known: frozenset[str], where: str) -> None:
             warnings.warn(f"config: unknown key '{where}{key}' is ignored{hint}", UserWarning, stacklevel=4)
 
 
-def _storage_from_hf(d: dict, t: dict) -> Storage:
-    """The stored dtype (`dtype`, or the older `torch_dtype`) and expert format (`quantization_config`)."""
+def _storage_from_hf(d: dict, t: dict, tw: str) -> Storage:
+    """The stored dtype (`dtype`, or the older `torch_dtype`; text_config's, else the top level's) and the expert
+    format (`quantization_config`); `tw` is text_config's prefix in messages."""
     dtype = "bfloat16"
-    for where, src in (("text_config.", t), ("", d)):
-        key = "dtype" if "dtype" in src else "torch_dtype"
-        if key in src:
-            dtype = _get(src, key, where if src is not d else "", kind=str).removeprefix("torch.")
-            _check(dtype in STORED_DTYPES, f"{where if src is not d else ''}{key}",
-                   f"must be one of {', '.join(STORED_DTYPES)}, got {src[key]!r}")
+    for src, where in ((t, tw), (d, "")):
+        key = next((k for k in ("dtype", "torch_dtype") if k in src), None)
+        if key is not None:
+            dtype = _get(src, key, where, kind=str).removeprefix("torch.")
+            _check(dtype in STORED_DTYPES, where + key, f"must be one of {', '.join(STORED_DTYPES)}, got {src[key]!r}")
             break
     # a transformers-parsed config copies quantization_config up to the top level
     q = t.get("quantization_config", d.get("quantization_config")) or {}
-    _check(isinstance(q, dict), "text_config.quantization_config", "must be an object")
+    _check(isinstance(q, dict), tw + "quantization_config", "must be an object")
     fmt = q.get("format")
-    _check(fmt in (None, "mxfp4-pack-quantized"), "text_config.quantization_config.format",
+    _check(fmt in (None, "mxfp4-pack-quantized"), tw + "quantization_config.format",
            f"is '{fmt}'; only 'mxfp4-pack-quantized' is supported")
     return Storage(dtype=dtype, experts="mxfp4" if fmt else "bf16")
 

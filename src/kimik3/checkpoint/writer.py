@@ -92,7 +92,9 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
     dtype = parse_dtype(dtype) or stored_dtype(cfg)
     path = Path(path)
     _check_replaceable(path)
-    source = source if source is not None else getattr(model, LOADED_FROM, None)
+    if source is None:  # the folder the model came from, unless it is gone since
+        source = getattr(model, LOADED_FROM, None)
+        source = source if source is not None and Path(source).is_dir() else None
     companions = companion_files(source) if source is not None else []
 
     specs = sorted(model_specs(model, experts, dtype), key=_release_order)
