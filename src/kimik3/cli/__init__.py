@@ -1,17 +1,28 @@
-"""The `kimik3` console script: one subcommand per job; each parses arguments and calls one function."""
+"""The `kimik3` console script: one subcommand per job; each parses arguments and calls one function.
+
+A subcommand is a module with `add_parser(sub)` (which sets `run=`): list it in COMMANDS. Errors a user can
+cause (ValueError, OSError such as FileNotFoundError) print one line and exit 2; Ctrl-C exits 130 and a
+closed output pipe 141 (the shell's codes for SIGINT and SIGPIPE), both without a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from kimik3.cli import chat, convert, generate, inspect, memory, params, train
+from kimik3.cli import atlas, chat, convert, generate, inspect, memory, params, train
+
+# in the order `kimik3 --help` lists them
+COMMANDS = (params, memory, inspect, convert, generate, chat, train, atlas)
+
+EXIT_USAGE, EXIT_SIGINT, EXIT_SIGPIPE = 2, 130, 141
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in readable, exact, fast PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (params, memory, inspect, convert, generate, chat, train):
+    for module in COMMANDS:
         module.add_parser(sub)
     return parser
 
@@ -20,6 +31,33 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args) or 0
-    except (ValueError, FileNotFoundError) as e:
+    except KeyboardInterrupt:
+        _quiet_stdout()
+        print(file=sys.stderr)  # the shell's prompt starts on a line of its own after the ^C
+        return EXIT_SIGINT
+    except BrokenPipeError:  # `kimik3 generate | head -1`: the reader has what it wanted
+        _quiet_stdout()
+        return EXIT_SIGPIPE
+    except (ValueError, OSError) as e:
         print(f"kimik3 {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except (MemoryError, RuntimeError) as e:
+        # torch reports a failed allocation as torch.OutOfMemoryError (CUDA) or a RuntimeError from its CPU
+        # allocator; anything else is a bug and keeps its traceback
+        if not isinstance(e, MemoryError) and type(e).__name__ != "OutOfMemoryError" \
+                and "can't allocate memory" not in str(e):
+            raise
+        print(f"kimik3 {args.command}: error: out of memory ({str(e).splitlines()[0] if str(e) else 'no details'}); "
+              "ask for fewer tokens (--max-new-tokens, --max-context), a smaller batch or dtype", file=sys.stderr)
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: its buffered text would otherwise be flushed at exit into a closed pipe (a
+    second BrokenPipeError, printed as 'Exception ignored ...'), or after the user asked us to stop."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout already closed, or not a real file (a test's capture)
+        pass

@@ -6,11 +6,24 @@ Ctrl-C stops the answer being written (the conversation keeps what was said); Ct
 
 from __future__ import annotations
 
+import os
 import sys
 
-from kimik3.cli.common import add_model_args, add_sampling_args, load_model_and_tokenizer, sampling_params
+from kimik3.cli.common import (
+    add_model_args,
+    add_sampling_args,
+    clamp_note,
+    context_window,
+    load_model_and_tokenizer,
+    sampling_params,
+)
 
 DIM, RESET = "\033[2m", "\033[0m"
+
+
+def use_style() -> bool:
+    """ANSI styling only on a terminal (never in a file or a pipe), and never under NO_COLOR (no-color.org)."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
 
 def add_parser(sub) -> None:
@@ -44,18 +57,19 @@ def user_turn(model, tok, history: list[dict], text: str, image_paths: list[str]
 
 
 class ChatPrinter:
-    """Parses streamed ids into reasoning (printed dim) and the answer."""
+    """Parses streamed ids into reasoning (printed dim on a terminal, plain elsewhere) and the answer."""
 
-    def __init__(self, tok, *, thinking: bool):
+    def __init__(self, tok, *, thinking: bool, style: bool | None = None):
         from kimik3.tokenizer import ResponseParser
 
         self.parser = ResponseParser(tok, start_in="think" if thinking else "response")
+        self.dim, self.reset = (DIM, RESET) if (use_style() if style is None else style) else ("", "")
 
     def feed(self, token_id: int, *, show: bool = True) -> None:
         delta = self.parser.feed([token_id])
         if show:
             if delta.reasoning_content:
-                sys.stdout.write(DIM + delta.reasoning_content + RESET)
+                sys.stdout.write(self.dim + delta.reasoning_content + self.reset)
             if delta.content:
                 sys.stdout.write(delta.content)
             sys.stdout.flush()
@@ -64,7 +78,7 @@ class ChatPrinter:
         parsed = self.parser.finish()
         if show:
             if parsed.reasoning_content:
-                print(DIM + parsed.reasoning_content + RESET)
+                print(self.dim + parsed.reasoning_content + self.reset)
             print(parsed.content)
         else:
             print()
@@ -77,14 +91,20 @@ def run(args) -> int:
     except ImportError:
         pass
     from kimik3.inference import stream
+    from kimik3.vision import load_image
 
-    model, tok, path = load_model_and_tokenizer(args, vision=True)
+    for image in args.image:  # a missing or unreadable file fails now, not after the load
+        load_image(image)
+    # the vision tower when the checkpoint has one (required with --image): text-only models chat too
+    model, tok, path = load_model_and_tokenizer(args, vision=True if args.image else None)
     params = sampling_params(args)
+    window = context_window(args, model)
     thinking, history = not args.no_think, []
     if args.system:
         history.append({"role": "system", "content": args.system})
     pending_images = list(args.image)
-    print(f"kimik3 chat with {path} -- /reset, /think on|off, /image FILE, /quit; Ctrl-C stops an answer")
+    image_help = ", /image FILE" if model.has_vision else ""
+    print(f"kimik3 chat with {path} -- /reset, /think on|off{image_help}, /quit; Ctrl-C stops an answer")
     while True:
         try:
             line = input("you> ").strip()
@@ -98,6 +118,7 @@ def run(args) -> int:
             continue
         if line.startswith("/"):
             cmd, _, arg = line.partition(" ")
+            arg = arg.strip()
             if cmd in ("/quit", "/exit"):
                 return 0
             if cmd == "/reset":
@@ -107,27 +128,32 @@ def run(args) -> int:
             elif cmd == "/think" and arg in ("on", "off"):
                 thinking = arg == "on"
                 print(f"(thinking {arg})")
+            elif cmd == "/image" and arg and not model.has_vision:
+                print(f"error: the model at {path} reads text only (no vision tower); it cannot take images")
             elif cmd == "/image" and arg:
-                from kimik3.vision import load_image
-
                 try:
-                    load_image(arg.strip())
-                    pending_images.append(arg.strip())
-                    print(f"(image {arg.strip()} attached to your next message)")
-                except (ValueError, FileNotFoundError) as e:
+                    load_image(arg)
+                    pending_images.append(arg)
+                    print(f"(image {arg} attached to your next message)")
+                except (ValueError, OSError) as e:
                     print(f"error: {e}")
             else:
-                print("commands: /reset, /think on|off, /image FILE, /quit")
+                print(f"commands: /reset, /think on|off{image_help}, /quit")
             continue
         try:
             ids, images = user_turn(model, tok, history, line, pending_images, thinking=thinking)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             print(f"error: {e}")
             continue
+        if window is not None and len(ids) >= window:
+            print(f"error: the conversation is {len(ids):,} tokens and the context holds {window:,}: /reset to "
+                  "start again")
+            continue
+        clamp_note(args, params, len(ids), window)
         printer = ChatPrinter(tok, thinking=thinking)
         try:
             for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=[tok.eos_id],
-                                 max_context=args.max_context, **images):
+                                 max_context=window, **images):
                 printer.feed(events[0].token_id)
         except KeyboardInterrupt:
             print(" (stopped)", end="")

@@ -5,16 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint folder (config.json, shards, tiktoken.model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder (config.json, shards, tiktoken.model); default: the bundled demo model")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
                    help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--max-context", type=int, default=None, help="most tokens (prompt + answer) a sequence may hold")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="most tokens (prompt + answer) a sequence may hold (default and upper bound: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: 1 for models under 100M parameters, else torch's; OMP_NUM_THREADS "
+                        "is respected)")
 
 
 # sampling flags left unset take the model's generation_config.json value (Hugging Face keys), else the
@@ -24,14 +31,27 @@ SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "re
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (unset: the model's generation_config.json, else the default shown)")
-    g.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default 256; more than the context has room for stops at the context's end (with a note)")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy; default 1.0")
     g.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
     g.add_argument("--top-p", type=float, default=None, help="default 1.0 (off)")
     g.add_argument("--min-p", type=float, default=None, help="default 0.0 (off)")
     g.add_argument("--repetition-penalty", type=float, default=None, help="default 1.0 (off)")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=[], type=unescape,
+                   help=r"stop string (repeatable); the escapes \n \t \r \\ \xHH \uHHHH are decoded, so "
+                        r"--stop '\n\n' stops at a blank line (write \\n for a backslash and an n)")
+
+
+_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[ntr\\])")
+_SIMPLE = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(s: str) -> str:
+    r"""Decode the backslash escapes a shell cannot type easily: \n \t \r \\ \xHH \uHHHH. Anything else after
+    a backslash is kept as written (unlike `codecs.decode(s, "unicode_escape")`, non-ASCII text survives)."""
+    return _ESCAPE.sub(lambda m: _SIMPLE.get(m[1]) or chr(int(m[1][1:], 16)), s)
 
 
 def sampling_params(args):
@@ -40,10 +60,25 @@ def sampling_params(args):
     from kimik3.inference import SamplingParams
 
     gen_file = model_path(args) / GENERATION_CONFIG
-    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    gen = _read_json(gen_file) if gen_file.is_file() else {}
     kw = {k: getattr(args, k) if getattr(args, k) is not None else gen[k]
           for k in SAMPLING_KEYS if getattr(args, k) is not None or k in gen}
-    return SamplingParams(**kw, seed=args.seed, stop=tuple(args.stop))
+    try:
+        return SamplingParams(**kw, seed=args.seed, stop=tuple(args.stop))
+    except ValueError as e:
+        if any(f" {k} " in str(e) for k in kw if getattr(args, k) is None):  # the file's value, not a flag's
+            raise ValueError(f"{gen_file}: {e}") from None
+        raise
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
 
 
 def model_path(args) -> Path:
@@ -51,30 +86,82 @@ def model_path(args) -> Path:
 
     path = Path(args.model) if args.model else DEMO_MODEL
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no model at {path}: expected a checkpoint folder with config.json")
+        what = "--model" if args.model else "the bundled demo model (pass --model PATH)"
+        raise FileNotFoundError(f"no model at {path} ({what}): expected a checkpoint folder with config.json")
     return path
 
 
-def load_model_and_tokenizer(args, *, vision: bool = False):
-    """(model in eval mode, tokenizer, path); vision=False loads text only. With `args.parallel` (generate under
-    torchrun) each rank loads its shards; only rank 0 prints."""
+def check_request(args, cfg, *, images: bool) -> None:
+    """Refuse, before the (long) load, what the model cannot do: images without a vision tower in its config,
+    a --max-context beyond its positions."""
+    if images and cfg.vision is None:
+        raise ValueError(f"--image: the model at {model_path(args)} is text-only (its config.json has no "
+                         "vision_config); use a checkpoint with a vision tower, or leave out the image")
+    limit = cfg.text.max_position_embeddings
+    if args.max_context is not None:
+        if args.max_context < 2:
+            raise ValueError(f"--max-context must be at least 2 (a prompt token and an answer), got {args.max_context}")
+        if limit is not None and args.max_context > limit:
+            raise ValueError(f"--max-context {args.max_context} exceeds the model's {limit:,} positions "
+                             "(max_position_embeddings in config.json)")
+
+
+def context_window(args, model) -> int | None:
+    """Tokens (prompt + answer) one sequence may hold: --max-context, else the model's max_position_embeddings."""
+    return args.max_context if args.max_context is not None else model_text_config(model).max_position_embeddings
+
+
+def model_text_config(model):
+    return model.config.text if hasattr(model.config, "text") else model.config
+
+
+def clamp_note(args, params, prompt_tokens: int, window: int | None) -> None:
+    """Say on stderr when the answer will stop at the end of the context rather than at max_new_tokens."""
+    if window is None or prompt_tokens >= window or prompt_tokens + params.max_new_tokens <= window:
+        return
+    source = "--max-context" if args.max_context is not None else "the model's max_position_embeddings"
+    print(f"kimik3 {args.command}: note: the context holds {window:,} tokens ({source}); the prompt's "
+          f"{prompt_tokens:,} leave room for {window - prompt_tokens:,} new tokens, not max_new_tokens "
+          f"{params.max_new_tokens:,}: the answer stops there", file=sys.stderr)
+
+
+def load_model_and_tokenizer(args, *, vision: bool | None = False):
+    """(model in eval mode, tokenizer, path). vision: False loads text only; None loads the vision tower when
+    the checkpoint has one; True requires it. With `args.parallel` (generate under torchrun) each rank loads
+    its shards; only rank 0 prints."""
     import torch
 
     import kimik3
+    from kimik3.config import K3Config
+    from kimik3.inference.threads import pick_cpu_threads
     from kimik3.tokenizer import Tokenizer
 
     path = model_path(args)
+    cfg = K3Config.from_file(path / "config.json")
+    check_request(args, cfg, images=bool(vision))
     sampling_params(args)  # bad sampling values fail before the (long) load
+    tokenizer = _tokenizer(Tokenizer, path)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    tokenizer = Tokenizer.from_file(path)
+    text_only = None if vision is None else not vision
     if getattr(args, "parallel", None):
-        return _load_parallel(args, path, dtype, device, vision), tokenizer, path
-    model = kimik3.load(path, dtype=dtype, device=device, text_only=not vision).eval()
+        return _load_parallel(args, path, dtype, device, text_only), tokenizer, path
+    model = kimik3.load(path, dtype=dtype, device=device, text_only=text_only).eval()
+    if vision and not model.has_vision:
+        raise ValueError(f"--image: the checkpoint at {path} holds no vision tower tensors; it reads text only")
+    pick_cpu_threads(model, device, getattr(args, "threads", None))
     return model, tokenizer, path
 
 
-def _load_parallel(args, path: Path, dtype, device: str, vision: bool):
+def _tokenizer(cls, path: Path):
+    file = path / "tiktoken.model"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: the model folder has no tokenizer (tiktoken.model); copy the one the "
+                                "checkpoint was trained with next to config.json")
+    return cls.from_file(file)
+
+
+def _load_parallel(args, path: Path, dtype, device: str, text_only: bool | None):
     """This rank's shards of the model (tp: attention heads and MLP widths; ep: routed experts). Every rank
     runs the same generation on identical logits, so the sampling seed is made common and rank 0 prints."""
     import torch
@@ -93,4 +180,4 @@ def _load_parallel(args, path: Path, dtype, device: str, vision: bool):
     if not env.is_main:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     loader = load_tensor_parallel if args.parallel == "tp" else load_expert_parallel
-    return loader(path, dtype=dtype, device=env.device, text_only=not vision, quiet=not env.is_main).eval()
+    return loader(path, dtype=dtype, device=env.device, text_only=text_only, quiet=not env.is_main).eval()

@@ -1,22 +1,33 @@
-"""`kimik3 generate --model PATH --prompt TEXT [--chat] [--image FILE] [sampling flags] [--stream]`."""
+"""`kimik3 generate [--model PATH] (--prompt TEXT | --prompt-file FILE) [--chat] [--image FILE] [sampling flags]
+[--stream]`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from kimik3.cli.common import add_model_args, add_sampling_args, load_model_and_tokenizer, sampling_params
+from kimik3.cli.common import (
+    add_model_args,
+    add_sampling_args,
+    clamp_note,
+    context_window,
+    load_model_and_tokenizer,
+    sampling_params,
+)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="continue a prompt (raw text, or one chat turn with --chat / --image)")
     add_model_args(p)
     add_sampling_args(p)
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 text file (- = stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in K3's chat format")
     p.add_argument("--no-think", action="store_true", help="chat with thinking off")
     p.add_argument("--image", action="append", default=[],
-                   help="image file for the prompt (repeatable; implies --chat)")
+                   help="image file for the prompt (repeatable; implies --chat; needs a model with a vision tower)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print tokens as they come (default: when the output is a terminal)")
     p.add_argument("--parallel", choices=("tp", "ep"), default=None,
@@ -25,30 +36,59 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def read_prompt(args) -> str:
+    """--prompt, or the text of --prompt-file (- = stdin); an empty prompt is an error."""
+    if args.prompt is not None:
+        text, where = args.prompt, "--prompt"
+    elif args.prompt_file == "-":
+        text, where = sys.stdin.read(), "--prompt-file - (stdin)"
+    else:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompt-file {path}: no such file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        where = f"--prompt-file {path}"
+    if not text:
+        raise ValueError(f"{where}: the prompt is empty")
+    return text
+
+
 def run(args) -> int:
     from kimik3.cli.chat import ChatPrinter, user_turn
     from kimik3.inference import stream
+    from kimik3.vision import load_image
 
+    prompt = read_prompt(args)
+    for image in args.image:  # a missing or unreadable file fails now, not after the load
+        load_image(image)
     model, tok, _ = load_model_and_tokenizer(args, vision=bool(args.image))
     params = sampling_params(args)
     if args.stream is None:
         args.stream = sys.stdout.isatty()
     chat = args.chat or bool(args.image)
     if chat:
-        ids, images = user_turn(model, tok, [], args.prompt, args.image, thinking=not args.no_think)
+        ids, images = user_turn(model, tok, [], prompt, args.image, thinking=not args.no_think)
         printer = ChatPrinter(tok, thinking=not args.no_think)
     else:
-        ids, images, printer = tok.encode(args.prompt), {}, None
-        if args.stream:  # a continuation reads on from its prompt
-            print(args.prompt, end="", flush=True)
+        ids, images, printer = tok.encode(prompt), {}, None
+    window = context_window(args, model)
+    clamp_note(args, params, len(ids), window)
+    if not chat and args.stream:  # a continuation reads on from its prompt
+        print(prompt, end="", flush=True)
     out = []
     sync = None
     if args.parallel:  # every rank continues with rank 0's tokens (their logits agree; this makes it certain)
         import torch.distributed as dist
 
         sync = lambda tokens: dist.broadcast(tokens, 0)  # noqa: E731
-    for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=[tok.eos_id],
-                         max_context=args.max_context, sync_tokens=sync, **images):
+    # the turn's end (<|end_of_msg|>) and the model's end of text (config.eos_token_id: [EOS] for a model trained
+    # on documents, such as the demo model)
+    ends = sorted({tok.eos_id, model.config.eos_token_id} - {None})
+    for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=ends,
+                         max_context=window, sync_tokens=sync, **images):
         event = events[0]
         if printer is not None:
             printer.feed(event.token_id, show=args.stream)
@@ -58,7 +98,7 @@ def run(args) -> int:
     if printer is not None:
         printer.finish(show=not args.stream)
     elif not args.stream:
-        print(args.prompt + "".join(out))
+        print(prompt + "".join(out))
     else:
         print()
     sys.stdout.flush()

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import time
 
-import torch
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("params", help="parameter accounting of a config (default: the released K3)")
@@ -16,6 +14,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    import torch
     from rich.console import Console
 
     from kimik3.atlas import count_parameters, format_report

@@ -7,6 +7,7 @@ Finished sequences keep decoding in the static batch, but their outputs are drop
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -91,6 +92,34 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[li
     return out
 
 
+def _fit_context(prompts: list[list[int]], params: list[SamplingParams], max_context: int | None,
+                 positions: int | None) -> list[SamplingParams]:
+    """Each request's params with max_new_tokens cut to what `max_context` leaves; without `max_context`,
+    a request past the model's `positions` (max_position_embeddings) is a ValueError."""
+    if max_context is not None:
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
+            raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
+        if positions is not None and max_context > positions:
+            raise ValueError(f"max_context {max_context} exceeds the model's {positions} positions "
+                             "(max_position_embeddings)")
+    limit = max_context if max_context is not None else positions
+    if limit is None:
+        return params
+    longest = max(len(p) for p in prompts)
+    if longest >= limit:
+        what = "max_context" if max_context is not None else "the model's max_position_embeddings"
+        raise ValueError(f"a prompt of {longest} tokens leaves no room in the allowed context of {limit} ({what})")
+    if max_context is None:
+        for i, (p, q) in enumerate(zip(params, prompts, strict=True)):
+            if len(q) + p.max_new_tokens > limit:
+                raise ValueError(f"prompt {i}: {len(q)} tokens + max_new_tokens {p.max_new_tokens} exceed the "
+                                 f"model's {limit} positions (max_position_embeddings); lower max_new_tokens to "
+                                 f"{limit - len(q)}, or pass max_context={limit} to stop there")
+        return params
+    return [dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, limit - len(q)))
+            for p, q in zip(params, prompts, strict=True)]
+
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -108,8 +137,10 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
         params: one SamplingParams for all, or one per prompt.
         tokenizer: anything with `decode(ids) -> str`; enables text deltas and stop strings.
         eos_token_ids: ids that end every sequence (e.g. `<|end_of_msg|>`), besides each request's own.
-        max_context: the most tokens (prompt + generated) a sequence may hold; a longer prompt is an error
-            and generation stops ("length") when a sequence reaches it.
+        max_context: the most tokens (prompt + generated) a sequence may hold, at most the model's
+            `max_position_embeddings`; a prompt that fills it is an error and generation stops ("length") when
+            a sequence reaches it. None: the model's `max_position_embeddings` bounds prompt + max_new_tokens,
+            and a request past it is an error (nothing is allocated for it).
         cuda_graph: decode under a CUDA graph (model on a GPU); the batch is padded up to a bucket size
             (BATCH_BUCKETS) with dummy rows whose outputs are dropped.
         pixel_values, grid_thws: the prompts' images (`kimik3.vision.process_images`), in prompt order; each
@@ -126,12 +157,8 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling parameter sets for {len(prompts)} prompts")
+    params = _fit_context(prompts, params, max_context, cfg.max_position_embeddings)
     longest = max(len(p) for p in prompts)
-    if max_context is not None:
-        if longest >= max_context:
-            raise ValueError(f"a prompt of {longest} tokens leaves no room in the allowed context of {max_context}")
-        params = [SamplingParams(**{**p.__dict__, "max_new_tokens": min(p.max_new_tokens, max_context - len(q))})
-                  for p, q in zip(params, prompts)]
     device = next(model.parameters()).device
     real = len(prompts)
     if cuda_graph:  # pad the batch to a bucket with one-token dummy prompts (their rows are never reported)
@@ -173,11 +200,13 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
 
 
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
-             params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              tokenizer: Detokenizer | None = None, eos_token_ids: Sequence[int] = (),
              max_context: int | None = None, cuda_graph: bool = False, pixel_values: Tensor | None = None,
              grid_thws: Tensor | None = None) -> list[Completion]:
-    """`stream` run to the end: one Completion (ids, text, finish reason) per prompt."""
+    """`stream` run to the end: one Completion (ids, text, finish reason) per prompt (params None: the
+    SamplingParams defaults)."""
+    params = SamplingParams() if params is None else params
     out = [Completion(prompt_tokens=len(p)) for p in prompts]
     for events in stream(model, prompts, params, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
                          max_context=max_context, cuda_graph=cuda_graph, pixel_values=pixel_values,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 ImageSource = Image.Image | str | os.PathLike | bytes | bytearray | memoryview
 
@@ -176,11 +176,17 @@ def load_image(source: ImageSource, *, name: str | None = None) -> Image.Image:
         raise TypeError(f"image must be a path, bytes, a data URL or a PIL.Image, got {type(source).__name__}")
     if not data:
         raise ValueError(f"{label}: empty file, expected image data (JPEG, PNG, WebP, GIF, ...)")
+    buffer = io.BytesIO(data)
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(buffer)
         image.load()
+    except UnidentifiedImageError:
+        raise ValueError(f"{label}: not a readable image (a format Pillow does not recognise; expected JPEG, "
+                         "PNG, WebP, GIF, ...)") from None
     except Exception as e:  # untrusted bytes: Pillow's decoders raise OSError, SyntaxError, EOFError, ValueError...
-        raise ValueError(f"{label}: not a readable image ({type(e).__name__}: {e})") from e
+        # Pillow names the in-memory buffer it read (`<_io.BytesIO object at 0x...>`): name the file instead
+        detail = str(e).replace(repr(buffer), repr(label))
+        raise ValueError(f"{label}: not a readable image ({type(e).__name__}: {detail})") from e
     if image.width < 1 or image.height < 1:
         raise ValueError(f"{label}: image has no pixels ({image.width}x{image.height})")
     return image
