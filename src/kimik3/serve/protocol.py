@@ -301,7 +301,8 @@ def parse_completion(body: dict, *, defaults: dict[str, Any], vocab_size: int) -
 
     if isinstance(prompt, str) or ids(prompt):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                  or all(ids(p) for p in prompt)):
         prompts = list(prompt)
     else:
         raise _bad("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
