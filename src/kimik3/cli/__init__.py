@@ -11,10 +11,10 @@ import argparse
 import os
 import sys
 
-from kimik3.cli import atlas, chat, convert, generate, inspect, memory, params, train
+from kimik3.cli import atlas, chat, convert, generate, inspect, memory, params, serve, train
 
 # in the order `kimik3 --help` lists them
-COMMANDS = (params, memory, inspect, convert, generate, chat, train, atlas)
+COMMANDS = (params, memory, inspect, convert, generate, chat, train, atlas, serve)
 
 EXIT_USAGE, EXIT_SIGINT, EXIT_SIGPIPE = 2, 130, 141
 
