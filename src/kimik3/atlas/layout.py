@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from html import escape
 
-BOX_H, GAP, X0, COL_W, RAIL_X = 46, 30, 70, 520, 34
-SIDE_X, SIDE_W = 640, 210
+BOX_H, GAP, X0, COL_W, RAIL_X = 46, 30, 70, 560, 34
+SIDE_X, SIDE_W = 680, 220
 
 
 @dataclass
@@ -191,12 +191,12 @@ def _ffn(g: _Svg, nodes: dict, y: float, cx: float) -> float:
     mx = X0
     if has_dense:
         n = nodes["dense_mlp"]["instances"]["stored"]
-        g.box("dense_mlp", X0 - 6, y + 40, 166, f"{n} layer{'s' * (n != 1)}, {nodes['dense_mlp']['per_instance']:,}")
-        mx = X0 + 176
+        g.box("dense_mlp", X0 - 6, y + 40, 158, f"{n} layer{'s' * (n != 1)}, {nodes['dense_mlp']['per_instance']:,}")
+        mx = X0 + 164
     mw = X0 + COL_W - mx
     top = y
     y += 34
-    col_w = mw - 170
+    col_w = mw - 150
     ix = mx + 14
     chain = ["router", "latent_down", "experts", "combine", "latent_norm", "latent_up"]
     labels = {"router": "idx, w [N, A]", "latent_down": "z [N, L]", "experts": "e_i(z) [N, A, L]",
@@ -233,5 +233,5 @@ def _vision(g: _Svg, nodes: dict, cfg: dict) -> float:
     # projected image tokens replace media-pad embeddings
     g.parts.append(f'<path class="e aux" d="M {x} {y - BOX_H / 2} H {X0 + COL_W + 30} V {20 + BOX_H / 2} '
                    f'H {X0 + COL_W - 108}" fill="none" marker-end="url(#arrow)"/>')
-    g.text(x, y + 18, "image tokens [P/4, D] -> media-pad rows", "el")
+    g.text(x, y + 18, "image tokens [P/4, D] -> media pads", "el")
     return SIDE_X + SIDE_W + 20
