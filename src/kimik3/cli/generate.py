@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kimik3.cli import batch
 from kimik3.cli.common import (
     add_model_args,
     add_sampling_args,
@@ -24,6 +25,7 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 text file (- = stdin)")
+    batch.add_args(p, src)
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in K3's chat format")
     p.add_argument("--no-think", action="store_true", help="chat with thinking off")
     p.add_argument("--image", action="append", default=[],
@@ -57,6 +59,8 @@ def read_prompt(args) -> str:
 
 
 def run(args) -> int:
+    if args.input:  # batch mode: a JSONL file through the serving engine
+        return batch.run(args)
     from kimik3.cli.chat import ChatPrinter, user_turn
     from kimik3.inference import stream
     from kimik3.vision import load_image

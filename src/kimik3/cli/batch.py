@@ -1,0 +1,133 @@
+"""`kimik3 generate --input FILE.jsonl --output FILE.jsonl`: an offline batch through the serving engine.
+
+Each input line is one JSON object, one request:
+    {"id": "q1", "prompt": "Once upon"}                              raw text, continued
+    {"id": "q2", "messages": [{"role": "user", "content": "Hi"}]}    a chat (K3's chat format; "thinking": bool)
+    {"prompt_ids": [8448, 17, 99]}                                   token ids as given
+plus any SamplingParams field to override the command's flags for that line ("max_new_tokens", "temperature",
+"n", "logprobs", "seed", "stop", ...). Each output line (in input order) holds the id (default: the line number),
+prompt_tokens, cached_tokens and the choices: index, text, token_ids, finish_reason (and logprobs when asked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+
+def add_args(parser, source_group) -> None:
+    """The batch flags, added to `kimik3 generate` (--input joins its prompt-source group)."""
+    source_group.add_argument("--input", metavar="FILE.jsonl",
+                              help="batch mode: one request per line (see kimik3.cli.batch), through the engine")
+    parser.add_argument("--output", metavar="FILE.jsonl", help="batch mode: where the results go (one per line)")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="batch mode: sequences running at once")
+    parser.add_argument("--max-batched-tokens", type=int, default=1024, help="batch mode: tokens per engine step")
+
+
+def read_requests(path: Path, base) -> list[tuple[str, dict, object]]:
+    """(id, the line's request object, its SamplingParams) per non-empty line; errors name the line."""
+    from kimik3.inference import SamplingParams
+
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    if not path.is_file():
+        raise FileNotFoundError(f"--input {path}: no such file")
+    out = []
+    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--input {path} line {no}: not JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or sum(k in obj for k in ("prompt", "messages", "prompt_ids")) != 1:
+            raise ValueError(f"--input {path} line {no}: expected an object with exactly one of prompt, messages, "
+                             "prompt_ids")
+        unknown = set(obj) - fields - {"id", "prompt", "messages", "prompt_ids", "thinking"}
+        if unknown:
+            raise ValueError(f"--input {path} line {no}: unknown keys {sorted(unknown)}")
+        over = {k: tuple(v) if isinstance(v, list) else v for k, v in obj.items() if k in fields}
+        try:
+            params = dataclasses.replace(base, **over)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--input {path} line {no}: {e}") from None
+        out.append((str(obj.get("id", no)), obj, params))
+    if not out:
+        raise ValueError(f"--input {path}: no requests")
+    return out
+
+
+def encode(tok, obj: dict) -> list[int]:
+    from kimik3.tokenizer import encode_chat
+
+    if "prompt_ids" in obj:
+        return [int(t) for t in obj["prompt_ids"]]
+    if "messages" in obj:
+        return encode_chat(tok, obj["messages"], thinking=bool(obj.get("thinking", True)))
+    return tok.encode(obj["prompt"])
+
+
+def run(args) -> int:
+    from kimik3.cli.common import context_window, load_model_and_tokenizer, model_path, sampling_params
+    from kimik3.inference.engine import Engine
+
+    if not args.output:
+        raise ValueError("--input needs --output FILE.jsonl")
+    base = sampling_params(args)
+    requests = read_requests(Path(args.input), base)
+    model, tok, _ = load_model_and_tokenizer(args, vision=False)
+    ends = sorted({tok.eos_id, model.config.eos_token_id} - {None})
+    prompts = [encode(tok, obj) for _, obj, _ in requests]
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                    max_model_len=context_window(args, model), eos_token_ids=ends, tokenizer=tok,
+                    model_id=str(model_path(args)))
+    bar = _bar(len(prompts))
+    try:
+        outs = engine.generate(prompts, [p for _, _, p in requests], progress=bar.update)
+    finally:
+        bar.close()
+    with open(args.output, "w", encoding="utf-8") as f:
+        for (rid, _, _), out in zip(requests, outs):
+            f.write(json.dumps(result(rid, out, tok), ensure_ascii=False) + "\n")
+    s = engine.stats
+    print(f"{len(outs)} requests, {s['prompt_tokens_total']} prompt tokens ({s['prefix_hit_tokens']} from the prefix "
+          f"cache), {s['generation_tokens_total']} generated -> {args.output}", file=sys.stderr)
+    return 0
+
+
+def result(rid: str, out, tok) -> dict:
+    choices = []
+    for c in out.outputs:
+        ids = c.token_ids[:-1] if c.finish_reason == "stop" and isinstance(c.stop_reason, int) else c.token_ids
+        text = tok.decode(ids)
+        if isinstance(c.stop_reason, str):
+            text = text[: text.find(c.stop_reason)] if c.stop_reason in text else text
+        choice = {"index": c.index, "text": text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+        if c.logprobs is not None:
+            choice["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in c.logprobs]
+        choices.append(choice)
+    return {"id": rid, "prompt_tokens": len(out.prompt_ids), "cached_tokens": out.cached_tokens, "choices": choices}
+
+
+class _bar:
+    """A rich progress bar on a terminal's stderr; a silent no-op otherwise."""
+
+    def __init__(self, total: int):
+        self.progress = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(),
+                                     TimeRemainingColumn(), console=Console(stderr=True))
+            self.task = self.progress.add_task("generate", total=total)
+            self.progress.start()
+
+    def update(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()

@@ -1,0 +1,49 @@
+"""`kimik3 generate --input FILE.jsonl --output FILE.jsonl` over the demo model (the engine, fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from kimik3.cli import main
+
+
+def test_batch_file_round_trip(tmp_path, capsys):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"id": "a", "prompt": "ROMEO:"}, {"prompt_ids": [17, 99, 301], "n": 2, "temperature": 0.7, "seed": 1},
+             {"messages": [{"role": "user", "content": "Speak."}], "max_new_tokens": 2, "logprobs": 1},
+             {"id": "d", "prompt": "ROMEO:"}]
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    assert main(["generate", "--input", str(src), "--output", str(dst), "--max-new-tokens", "4", "--temperature",
+                 "0", "--dtype", "float32"]) == 0
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == ["a", "2", "3", "d"]
+    assert out[0]["choices"] == out[3]["choices"] and len(out[0]["choices"][0]["token_ids"]) == 4
+    assert [c["index"] for c in out[1]["choices"]] == [0, 1]
+    assert len(out[2]["choices"][0]["logprobs"]) == 2 and out[2]["prompt_tokens"] > 3
+    assert "4 requests" in capsys.readouterr().err
+
+    from kimik3.checkpoint.loader import load
+    from kimik3.inference import SamplingParams, generate
+    from kimik3.presets import DEMO_MODEL
+    from kimik3.tokenizer import Tokenizer
+
+    model = load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True).eval()
+    tok = Tokenizer.from_file(DEMO_MODEL)
+    ends = sorted({tok.eos_id, model.config.eos_token_id} - {None})
+    want = generate(model, [tok.encode("ROMEO:")], SamplingParams(temperature=0, max_new_tokens=4), eos_token_ids=ends)
+    assert out[0]["choices"][0]["token_ids"] == want[0].token_ids
+
+
+def test_batch_file_errors_name_the_line(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "a"}\n{"prompt": "b", "temperature": -1}\n')
+    assert main(["generate", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and "temperature" in err
+    src.write_text('{"prompt": "a", "colour": 1}\n')
+    assert main(["generate", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "unknown keys ['colour']" in capsys.readouterr().err
+    assert main(["generate", "--input", str(src)]) == 2
+    assert "--output" in capsys.readouterr().err
