@@ -12,7 +12,6 @@ import json
 import re
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -211,13 +210,24 @@ def test_shapes_match_forward_hooks(tiny_atlas):
     assert set(seen) == set(mods)
     for k, (args, out) in seen.items():
         shapes = tiny_atlas["nodes"][k]["shapes"]
-        size = lambda axes: [free[a] if s is None else s for a, s in axes]  # noqa: E731
+        size = lambda axes: [free[a] if s is None else s for a, s in axes]
         want_in = size(next(s for s in shapes if s["role"] == "in")["axes"])
         # one "out" entry may name several outputs of one shape ("idx, w")
         want_out = [size(s["axes"]) for s in shapes if s["role"] == "out" for _ in s["name"].split(", ")]
         outs = out if isinstance(out, tuple) else (out,)
         assert list(args[0].shape) == want_in, (k, args[0].shape, want_in)
         assert [list(o.shape) for o in outs] == want_out, (k, [o.shape for o in outs], want_out)
+
+
+def test_tensor_pages_connect_components(k3_atlas, tiny_atlas):
+    for atlas in (k3_atlas, tiny_atlas):
+        ids = [t["id"] for t in atlas["tensors"]]
+        assert len(ids) == len(set(ids)) >= 10
+        for t in atlas["tensors"]:
+            assert t["producer"] in atlas["nodes"] and all(c in atlas["nodes"] for c in t["consumers"])
+    by = {t["id"]: t for t in k3_atlas["tensors"]}
+    assert by["z"]["shape"]["label"] == "[N, L=3,584]" and by["logits"]["shape"]["label"] == "[B, T, Vocab=163,840]"
+    assert "M grows to 8" in by["b"]["about"]
 
 
 def test_evidence_ranges_hold_the_definitions(k3_atlas):

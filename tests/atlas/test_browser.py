@@ -151,7 +151,7 @@ def test_hover_shows_the_summary(browser, sites):
 
 
 def test_click_selects_and_opens_the_page(browser, sites):
-    root, atlases = sites
+    root, _ = sites
     open_page(browser, (root / "k3" / "index.html").as_uri())
     browser.find_element("css selector", '#diagram .node[data-id="shared_expert"]').click()
     assert browser.current_url.endswith("#sel=shared_expert")
@@ -165,10 +165,21 @@ def test_click_selects_and_opens_the_page(browser, sites):
     assert crumbs == ["93 decoder layers", "FFN", "92 Latent MoE layers", "Shared expert"]
 
 
+def test_edge_label_opens_the_tensor_page(browser, sites):
+    root, atlases = sites
+    open_page(browser, (root / "k3" / "index.html").as_uri())
+    browser.find_element("css selector", '#diagram a.tensor[data-tensor="x_ffn"] text').click()
+    assert browser.current_url.endswith("t/x_ffn.html")
+    assert browser.find_element("id", "tensor-shape").text == "[N, D=7,168]"
+    links = [a.get_attribute("href").rsplit("/", 1)[1] for a in browser.find_elements("css selector", "table a")]
+    assert links == ["post_norm.html", "dense_mlp.html", "router.html", "latent_down.html", "shared_expert.html"]
+    assert not errors(browser)
+
+
 def test_url_keeps_the_selection(browser, sites):
     root, _ = sites
     open_page(browser, (root / "k3" / "index.html").as_uri() + "#sel=mla")
-    selected = lambda: [g.get_attribute("data-id") for g in  # noqa: E731
+    selected = lambda: [g.get_attribute("data-id") for g in
                         browser.find_elements("css selector", "#diagram .node.sel")]
     assert selected() == ["mla"] and browser.find_element("id", "p-mla").is_displayed()
     browser.find_element("css selector", '#diagram .node[data-id="router"]').click()

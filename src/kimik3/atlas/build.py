@@ -17,7 +17,7 @@ import torch
 from kimik3.atlas import evidence, measure
 from kimik3.atlas.accounting import account, census, quantization_mismatches
 from kimik3.atlas.catalog import KINDS, breadcrumb, components
-from kimik3.atlas.formulas import edge_label, formulas, shapes
+from kimik3.atlas.formulas import edge_label, formulas, shapes, tensors
 from kimik3.atlas.params import count_parameters
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
@@ -143,6 +143,7 @@ def build_atlas(cfg: K3Config, *, name: str = "config", config_path: Path | None
         "flops_context": context,
         "nodes": nodes,
         "order": [c.id for c in comps],
+        "tensors": [r for r in tensors(cfg) if r["producer"] in nodes],
     }
 
 

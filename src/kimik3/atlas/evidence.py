@@ -16,7 +16,7 @@ import importlib
 import inspect
 import subprocess
 import textwrap
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 PKG_ROOT = Path(__file__).resolve().parents[1]  # .../kimik3
@@ -34,7 +34,7 @@ def display_path(path: str | Path) -> str:
     return p.name
 
 
-@lru_cache(maxsize=None)
+@cache
 def _file_lines(path: str) -> tuple[str, ...]:
     return tuple(Path(path).read_text().splitlines())
 
@@ -168,7 +168,7 @@ def revision() -> str:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
         return head + (" (modified)" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return f"kimik3 {kimik3.__version__}"

@@ -47,8 +47,8 @@ def formulas(cfg: K3Config) -> dict[str, list[str]]:
             r"y = W_o\!\left(\mathrm{rms}(o) \odot w \odot \sigma(W_g x)\right)",
         ],
         "mla": [
-            r"q = W_{qb}\,\mathrm{RMS}(W_{qa} x),\quad [c;\,k_r] = W_{kva} x,\quad [k_n;\,v] = W_{kvb}\,"
-            r"\mathrm{RMS}(c)",
+            r"q = W_{qb}\,\mathrm{RMS}(W_{qa} x),\quad [c;\,k_r] = W_{kva} x",
+            r"[k_n;\,v] = W_{kvb}\,\mathrm{RMS}(c)",
             r"o = \mathrm{softmax}\!\left(\frac{q\,[k_n; k_r]^\top}{\sqrt{" + str(ml.qk_head_dim) + r"}} + "
             r"\mathrm{causal}\right) v,\quad y = W_o\!\left(o \odot \sigma(W_g x)\right)",
         ],
@@ -76,15 +76,15 @@ def formulas(cfg: K3Config) -> dict[str, list[str]]:
             + r" = \mathrm{MIX}(s, b),\quad s \mathrel{+}= " + _n("ffn", r"\mathrm{ffn}") + "("
             + _n("post_norm", r"\mathrm{RMS}") + "(m))",
         ],
-        "residual": [r"\text{block start: } b \leftarrow [b;\ s],\ s \leftarrow \mathrm{attn}(\cdot);\quad "
-                     r"\text{else } s \leftarrow s + \mathrm{attn}(\cdot)"],
+        "residual": [r"\text{block start: } b \leftarrow [b;\ s],\ s \leftarrow \mathrm{attn}(\cdot)",
+                     r"\text{else: } s \leftarrow s + \mathrm{attn}(\cdot)"],
         "lm_head": [r"\ell = W_{head}\,h \in \mathbb{R}^{" + str(t.vocab_size) + "}"],
         "model": [_n("lm_head", r"\ell") + " = W_{head}\\," + _n("final_norm", r"\mathrm{RMS}") + r"\!\left("
                   + _n("out_mix", r"\mathrm{MIX}") + r"(s_{" + str(t.num_layers) + r"}, b)\right)"],
     }
     out["final_norm"] = out["post_norm"] = out["latent_norm"] = out["input_norm"]
     if cfg.vision is not None:
-        out["vision_block"] = [r"x \mathrel{+}= W_o\,\mathrm{attn}_{\mathrm{RoPE2D}}(W_{qkv}\,\mathrm{RMS}(x)),\quad "
+        out["vision_block"] = [r"x \mathrel{+}= W_o\,\mathrm{attn}_{\mathrm{RoPE2D}}(W_{qkv}\,\mathrm{RMS}(x))",
                                r"x \mathrel{+}= W_{fc1}\,\mathrm{gelu}(W_{fc0}\,\mathrm{RMS}(x))"]
         out["projector"] = [r"y = \mathrm{RMS}\!\left(W_2\,\mathrm{gelu}(W_0\,[p_{00}; p_{01}; p_{10}; p_{11}])\right)"]
     return out
@@ -96,7 +96,7 @@ def shapes(cfg: K3Config) -> dict[str, list[Shape]]:
     D, kd, ml, mo = t.hidden_size, t.kda, t.mla, t.moe
     B, T, N = ("B", None), ("T", None), ("N", None)
     d = ("D", D)
-    bt = lambda name, role: _shape(name, role, B, T, d)  # noqa: E731
+    bt = lambda name, role: _shape(name, role, B, T, d)
     out = {
         "embed": [_shape("ids", "in", B, T), bt("h", "out")],
         "attn_mix": [_shape("b", "in", ("M", None), B, T, d), bt("s", "in"), bt("a", "out")],
@@ -144,3 +144,45 @@ def shapes(cfg: K3Config) -> dict[str, list[Shape]]:
 def edge_label(shape: Shape) -> str:
     """'[B, T, D=7168]': free axes by letter, fixed ones with their size."""
     return "[" + ", ".join(a if s is None else f"{a}={s:,}" for a, s in shape["axes"]) + "]"
+
+
+def tensors(cfg: K3Config) -> list[dict]:
+    """The tensors on the diagram's edges (the seeds' tensor pages): id, symbol, what it is, shape, the
+    component that produces it and those that read it."""
+    t = cfg.text
+    D, mo = t.hidden_size, t.moe
+    B, T, N, d = ("B", None), ("T", None), ("N", None), ("D", D)
+    blocks = len(t.snapshot_layers)
+
+    def row(tid, sym, title, axes, producer, consumers, about):
+        return {"id": tid, "symbol": sym, "title": title, "shape": _shape(sym, "edge", *axes),
+                "producer": producer, "consumers": consumers, "about": about}
+
+    out = [
+        row("h0", "h", "Token embeddings", (B, T, d), "embed", ["attn_mix", "residual"],
+            "the embedding rows of the input ids (images' projected tokens replace the media pads); the first "
+            "running sum, stored as depth source 0 at layer 0"),
+        row("b", "b", "Stored block sums", (("M", None), B, T, d), "residual", ["attn_mix", "ffn_mix", "out_mix"],
+            f"the running sum as it stood at each block start (M grows to {blocks}: layers "
+            f"{', '.join(map(str, t.snapshot_layers))}); values of every depth mix, never added again"),
+        row("s", "s", "Running sum", (B, T, d), "residual", ["attn_mix", "ffn_mix", "out_mix"],
+            "the current block's sum of sublayer outputs; each layer's output, and the last source of every mix"),
+        row("a", "a", "Attention input", (B, T, d), "attn_mix", ["input_norm"],
+            "the depth mix that replaces the residual stream as the attention's input"),
+        row("x_attn", "x", "Normalized attention input", (B, T, d), "input_norm", ["kda", "mla"],
+            "RMSNorm of the attention input mix"),
+        row("m", "m", "FFN input mix", (B, T, d), "ffn_mix", ["post_norm"],
+            "the depth mix after the attention sublayer, the FFN's input before its norm"),
+        row("x_ffn", "x", "FFN input", (N, d), "post_norm", ["dense_mlp", "router", "latent_down", "shared_expert"],
+            "the normalized features entering the FFN: the router and the shared expert read them at full width, "
+            "the routed experts only after the latent down projection"),
+        row("z", "z", "Expert latent", (N, ("L", mo.latent_dim)), "latent_down", ["experts"],
+            f"the {mo.latent_dim}-wide latent every routed expert reads"),
+        row("r", "r", "Combined expert output", (N, ("L", mo.latent_dim)), "combine", ["latent_norm"],
+            "the routing-weighted sum of the selected experts' outputs, in fp32"),
+        row("logits", "logits", "Logits", (B, T, ("Vocab", t.vocab_size)), "lm_head", [],
+            "the LM head's output in the compute dtype (no fp32 upcast)"),
+    ]
+    for r in out:
+        r["shape"]["label"] = edge_label(r["shape"])
+    return out

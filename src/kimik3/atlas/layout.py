@@ -31,7 +31,8 @@ def _subtitle(node: dict) -> str:
         return {"residual": "add; store at block starts", "combine": "weighted sum, fp32"}.get(node["id"], "")
     inst = node["instances"]
     if inst.get("experts_per_layer"):
-        return f"{node['per_instance']:,} x {inst['experts_per_layer']:,} x {inst['stored'] // inst['experts_per_layer']}"
+        layers = inst["stored"] // inst["experts_per_layer"]
+        return f"{node['per_instance']:,} x {inst['experts_per_layer']:,} x {layers}"
     if inst["stored"] > 1:
         return f"{node['per_instance']:,} x {inst['stored']}"
     return f"{node['total']:,}"
@@ -56,10 +57,13 @@ class _Svg:
             f'<text class="s" x="{x + w / 2}" y="{y + 36}">{escape(badge or sub)}</text></g>')
         return b
 
-    def edge(self, x: float, y0: float, y1: float, label: str = "", cls: str = "flow") -> None:
+    def edge(self, x: float, y0: float, y1: float, label: str = "", cls: str = "flow", tensor: str = "") -> None:
         self.parts.append(f'<line class="e {cls}" x1="{x}" y1="{y0}" x2="{x}" y2="{y1 - 2}" marker-end="url(#arrow)"/>')
+        text = f'<text class="el" x="{x + 8}" y="{(y0 + y1) / 2 + 4}">{escape(label)}</text>'
+        if label and tensor:  # the tensor's own page
+            text = f'<a class="tensor" href="t/{tensor}.html" data-tensor="{tensor}">{text}</a>'
         if label:
-            self.parts.append(f'<text class="el" x="{x + 8}" y="{(y0 + y1) / 2 + 4}">{escape(label)}</text>')
+            self.parts.append(text)
 
     def hline(self, x0: float, x1: float, y: float, cls: str) -> None:
         self.parts.append(f'<line class="e {cls}" x1="{x0}" y1="{y}" x2="{x1}" y2="{y}"/>')
@@ -83,7 +87,7 @@ def diagram(atlas: dict) -> tuple[str, list[Box]]:
     y = 20
     g.box("embed", X0 + 110, y, COL_W - 220)
     y += BOX_H
-    g.edge(cx, y, y + GAP + 12, _shape_of(nodes, "embed"))
+    g.edge(cx, y, y + GAP + 12, _shape_of(nodes, "embed"), tensor="h0")
     y += GAP + 12
 
     frame_top = y
@@ -97,11 +101,11 @@ def diagram(atlas: dict) -> tuple[str, list[Box]]:
     mixes_y.append(y)
     g.box("attn_mix", X0 + 110, y, COL_W - 220)
     y += BOX_H
-    g.edge(cx, y, y + GAP, _shape_of(nodes, "attn_mix"))
+    g.edge(cx, y, y + GAP, _shape_of(nodes, "attn_mix"), tensor="a")
     y += GAP
     g.box("input_norm", X0 + 110, y, COL_W - 220)
     y += BOX_H
-    g.edge(cx, y, y + GAP, "x [B, T, D]")
+    g.edge(cx, y, y + GAP, "x [B, T, D]", tensor="x_attn")
     y += GAP
     kinds = [k for k in ("kda", "mla") if k in nodes and nodes[k].get("rows")]
     w = (COL_W - 20 * (len(kinds) - 1)) / max(len(kinds), 1)
@@ -114,24 +118,25 @@ def diagram(atlas: dict) -> tuple[str, list[Box]]:
     store_y = y + BOX_H / 2
     g.box("residual", X0 + 110, y, COL_W - 220)
     y += BOX_H
-    g.edge(cx, y, y + GAP, "s [B, T, D]")
+    g.edge(cx, y, y + GAP, "s [B, T, D]", tensor="s")
     y += GAP
     mixes_y.append(y)
     g.box("ffn_mix", X0 + 110, y, COL_W - 220)
     y += BOX_H
-    g.edge(cx, y, y + GAP, _shape_of(nodes, "ffn_mix"))
+    g.edge(cx, y, y + GAP, _shape_of(nodes, "ffn_mix"), tensor="m")
     y += GAP
     g.box("post_norm", X0 + 110, y, COL_W - 220)
     y += BOX_H
-    g.edge(cx, y, y + GAP, "x [B, T, D]")
+    g.edge(cx, y, y + GAP, "x [B, T, D]", tensor="x_ffn")
     y += GAP
     y = _ffn(g, nodes, y, cx)
     frame_bottom = y + 14
     g.parts.insert(0, f'<rect class="frame" x="{X0 - 16}" y="{frame_top}" width="{COL_W + 32}" '
                       f'height="{frame_bottom - frame_top}" rx="10"/>'
                       f'<text class="ftitle" x="{X0 - 4}" y="{frame_top + 20}">decoder layer, drawn once</text>'
-                      f'<g class="badge"><rect x="{X0 + COL_W - 60}" y="{frame_top - 13}" width="76" height="26" rx="13"/>'
-                      f'<text x="{X0 + COL_W - 22}" y="{frame_top + 5}" text-anchor="middle">x{cfg["layers"]}</text></g>')
+                      f'<g class="badge"><rect x="{X0 + COL_W - 60}" y="{frame_top - 13}" width="76" height="26" '
+                      f'rx="13"/><text x="{X0 + COL_W - 22}" y="{frame_top + 5}" text-anchor="middle">'
+                      f'x{cfg["layers"]}</text></g>')
     y = frame_bottom
     g.edge(cx, y, y + GAP, "s [B, T, D]")
     y += GAP
@@ -146,7 +151,7 @@ def diagram(atlas: dict) -> tuple[str, list[Box]]:
     y += GAP
     g.box("lm_head", X0 + 110, y, COL_W - 220)
     y += BOX_H
-    g.edge(cx, y, y + GAP, _shape_of(nodes, "lm_head"))
+    g.edge(cx, y, y + GAP, _shape_of(nodes, "lm_head"), tensor="logits")
     y += GAP + 10
 
     # the AttnRes rail: stored at block starts (from the running-sum box), read by the three mixes
@@ -155,8 +160,9 @@ def diagram(atlas: dict) -> tuple[str, list[Box]]:
     g.hline(RAIL_X, X0 + 110, store_y, "rail")
     for my in mixes_y:
         g.hline(RAIL_X, X0 + 110, my + BOX_H / 2, "rail")
-    g.parts.append(f'<text class="rl" transform="translate({RAIL_X - 8},{(store_y + mixes_y[1]) / 2 + 60}) rotate(-90)">'
-                   f'stored block sums b [M, B, T, D]</text>')
+    g.parts.append(f'<a class="tensor" href="t/b.html" data-tensor="b"><text class="rl" transform="translate('
+                   f'{RAIL_X - 8},{(store_y + mixes_y[1]) / 2 + 60}) rotate(-90)">'
+                   'stored block sums b [M, B, T, D]</text></a>')
     width = X0 + COL_W + 30
     if "vision" in nodes:
         width = _vision(g, nodes, cfg)
@@ -207,7 +213,8 @@ def _ffn(g: _Svg, nodes: dict, y: float, cx: float) -> float:
         g.box(cid, ix, y, col_w - 14)
         y += BOX_H
         if k < len(chain) - 1:
-            g.edge(ix + (col_w - 14) / 2, y, y + 22, labels.get(cid, ""))
+            tensor = {"latent_down": "z", "combine": "r"}.get(cid, "")
+            g.edge(ix + (col_w - 14) / 2, y, y + 22, labels.get(cid, ""), tensor=tensor)
             y += 22
     g.box("shared_expert", mx + col_w + 12, top + 34 + (BOX_H + 22) * 2, mw - col_w - 24)
     y += 14

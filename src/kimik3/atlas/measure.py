@@ -105,7 +105,7 @@ def _leaf_flops(model: nn.Module, comps: list[Component], top_k: int,
         elif isinstance(mod, Router):
             flops, tensor = 2 * mod.weight.numel(), mod_name + ".weight"
         elif isinstance(mod, (Experts, MXFP4Experts)):
-            E, F, L = mod.w1.shape if isinstance(mod, Experts) else (mod.w1_packed.shape[0], mod.w1_packed.shape[1],
+            _, F, L = mod.w1.shape if isinstance(mod, Experts) else (*mod.w1_packed.shape[:2],
                                                                       mod.w1_packed.shape[2] * 2)
             flops, tensor = 2 * top_k * 3 * F * L, mod_name + (".w1" if isinstance(mod, Experts) else ".w1_packed")
         else:

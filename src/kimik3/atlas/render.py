@@ -57,6 +57,7 @@ def write_site(atlas: dict, out: Path, *, diff: dict | None = None, live: dict |
     """Render `atlas` (and optional diff / live numbers) into `out`; returns the files written."""
     out = Path(out)
     (out / "c").mkdir(parents=True, exist_ok=True)
+    (out / "t").mkdir(parents=True, exist_ok=True)
     static = out / "static"
     if static.exists():
         shutil.rmtree(static)
@@ -76,6 +77,8 @@ def write_site(atlas: dict, out: Path, *, diff: dict | None = None, live: dict |
     page("index.html.j2", out / "index.html", root="", svg=Markup(svg), boxes=boxes)
     for cid in atlas["order"]:
         page("component.html.j2", out / "c" / f"{cid}.html", root="../", node=nodes[cid])
+    for tensor in atlas["tensors"]:
+        page("tensor.html.j2", out / "t" / f"{tensor['id']}.html", root="../", tensor=tensor)
     if diff is not None:
         page("diff.html.j2", out / "diff.html", root="")
     data = dict(atlas, live=live) if live is not None else atlas
