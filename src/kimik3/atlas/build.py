@@ -259,7 +259,9 @@ def _notes(nodes: dict, cfg: K3Config) -> None:
 
 def _config_facts(cfg: K3Config, experts: str) -> dict:
     t = cfg.text
-    return {"layers": t.num_layers, "hidden": t.hidden_size, "vocab": t.vocab_size,
+    lac = cfg.hf.get("text_config", cfg.hf).get("linear_attn_config", {})
+    lists = {k: ranges(sorted(lac[k])) for k in ("kda_layers", "full_attn_layers") if isinstance(lac.get(k), list)}
+    return {"layer_lists_1_based": lists,"layers": t.num_layers, "hidden": t.hidden_size, "vocab": t.vocab_size,
             "kda_layers": t.layer_types.count("kda"), "mla_layers": t.layer_types.count("mla"),
             "moe_layers": t.moe_layers.count(True), "dense_layers": t.moe_layers.count(False),
             "experts": t.moe.num_experts, "top_k": t.moe.num_experts_per_token,
