@@ -6,6 +6,8 @@
     out = parse_response(tok, generated_ids)                   # reasoning_content, content, tool_calls
 
 Streaming: `tok.stream_decoder()` for raw text, `ResponseParser(tok).feed(ids)` for structured deltas.
+Training (SFT): `ids, mask = encode_chat_with_mask(tok, conversation, add_generation_prompt=False)`, mask True on
+the assistant turns' generated ids.
 """
 
 from .bpe import NUM_SPECIAL, PATTERN, SPECIAL_OFFSETS, StreamDecoder, Tokenizer, load_ranks
