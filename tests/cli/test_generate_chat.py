@@ -60,7 +60,7 @@ def test_generate_chat_and_image(ckpt, capsys, tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
-    (["--max-context", "3"], "allowed context of 3"),
+    (["--max-context", "3"], "the context holds 3 (--max-context): no room"),
     (["--image", "missing.png"], "missing.png"),
 ])
 def test_generate_bad_input(ckpt, capsys, extra, message):

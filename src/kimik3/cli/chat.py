@@ -145,11 +145,11 @@ def run(args) -> int:
         except (ValueError, OSError) as e:
             print(f"error: {e}")
             continue
-        if window is not None and len(ids) >= window:
-            print(f"error: the conversation is {len(ids):,} tokens and the context holds {window:,}: /reset to "
-                  "start again")
+        try:
+            clamp_note(args, params, len(ids), window)
+        except ValueError as e:
+            print(f"error: {e}; /reset starts the conversation again")
             continue
-        clamp_note(args, params, len(ids), window)
         printer = ChatPrinter(tok, thinking=thinking)
         try:
             for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=[tok.eos_id],

@@ -116,10 +116,14 @@ def model_text_config(model):
 
 
 def clamp_note(args, params, prompt_tokens: int, window: int | None) -> None:
-    """Say on stderr when the answer will stop at the end of the context rather than at max_new_tokens."""
-    if window is None or prompt_tokens >= window or prompt_tokens + params.max_new_tokens <= window:
+    """A prompt that fills the context is an error; an answer that will stop at the context's end rather than
+    at max_new_tokens gets a note on stderr."""
+    if window is None or prompt_tokens + params.max_new_tokens <= window:
         return
     source = "--max-context" if args.max_context is not None else "the model's max_position_embeddings"
+    if prompt_tokens >= window:
+        raise ValueError(f"the prompt is {prompt_tokens:,} tokens and the context holds {window:,} ({source}): "
+                         "no room for an answer")
     print(f"kimik3 {args.command}: note: the context holds {window:,} tokens ({source}); the prompt's "
           f"{prompt_tokens:,} leave room for {window - prompt_tokens:,} new tokens, not max_new_tokens "
           f"{params.max_new_tokens:,}: the answer stops there", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 
 def add_parser(sub) -> None:
@@ -25,7 +26,12 @@ def run(args) -> int:
     from kimik3.inference.memory import memory_report
     from kimik3.presets import load_config
 
-    r = memory_report(load_config(args.config), args.context, args.batch)
+    cfg = load_config(args.config)
+    r = memory_report(cfg, args.context, args.batch)
+    positions = cfg.text.max_position_embeddings
+    if positions is not None and args.context > positions:
+        print(f"kimik3 memory: note: {args.context:,} tokens exceed the model's {positions:,} positions "
+              "(max_position_embeddings); generation stops there", file=sys.stderr)
     rows = [("weights", r.weights), ("KDA state (per sequence)", r.kda_state_per_sequence),
             (f"KDA state x {r.batch}", r.kda_state), ("MLA latent (per token)", r.mla_bytes_per_token),
             (f"MLA cache x {r.batch} x {r.context:,} tokens", r.mla_cache), ("total", r.total)]

@@ -21,8 +21,8 @@ def run(args) -> int:
     from kimik3.model import K3ForConditionalGeneration
     from kimik3.presets import load_config, resolve_config
 
+    cfg = load_config(args.config)  # first: its errors name what is missing (a folder's config.json)
     path = resolve_config(args.config)
-    cfg = load_config(path)
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = K3ForConditionalGeneration(cfg)

@@ -1,0 +1,202 @@
+"""`kimik3 generate/chat/params/memory` as a new user meets them: text-only models, the context bound, bad
+input (one line and status 2, never a traceback), styling only on a terminal, backslash escapes in --stop."""
+
+import base64
+import builtins
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+import kimik3
+from kimik3.cli import main
+from kimik3.cli.chat import ChatPrinter
+from kimik3.cli.common import unescape
+from kimik3.config import K3Config
+from kimik3.model import K3ForConditionalGeneration
+from kimik3.tokenizer import Tokenizer
+from tests.helpers import CONFIGS, randomize
+
+POSITIONS = 40  # the text-only checkpoint's max_position_embeddings: small, so "the whole context" is quick
+
+
+@pytest.fixture(scope="module")
+def text_ckpt(tmp_path_factory):
+    """A text-only tiny K3 (no vision_config) with a 512-token vocabulary (256 byte ranks + K3's specials)."""
+    d = json.loads((CONFIGS / "tiny.json").read_text())
+    d.pop("vision_config", None)
+    d.update(bos_token_id=256, eos_token_id=258, pad_token_id=511, media_placeholder_token_id=277)
+    d["text_config"].update(vocab_size=512, bos_token_id=256, eos_token_id=258, pad_token_id=511,
+                            max_position_embeddings=POSITIONS)
+    cfg = K3Config.from_hf(d)
+    assert cfg.vision is None and cfg.text.max_position_embeddings == POSITIONS
+    model = randomize(K3ForConditionalGeneration(cfg, torch.float32), seed=5)
+    path = kimik3.save(model, tmp_path_factory.mktemp("ck") / "text", experts="bf16", dtype=torch.float32)
+    (path / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    return path
+
+
+def run(args, capsys):
+    rc = main(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_chat_with_the_default_model(capsys, monkeypatch, tmp_path):
+    """The bundled demo model is text-only: `kimik3 chat` (no --model) answers, and /image says why not."""
+    img = tmp_path / "a.png"
+    Image.new("RGB", (30, 20), (1, 2, 3)).save(img)
+    lines = iter(["hello", f"/image {img}", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    rc, out, err = run(["chat", "--device", "cpu", "--max-new-tokens", "3", "--temperature", "0"], capsys)
+    assert rc == 0, err
+    assert "reads text only" in out and "attached" not in out and "/image FILE" not in out
+
+
+def test_images_on_a_text_only_model_are_a_clear_error(text_ckpt, capsys, tmp_path):
+    img = tmp_path / "a.png"
+    Image.new("RGB", (30, 20), (1, 2, 3)).save(img)
+    for cmd in (["generate", "--prompt", "what is it?"], ["chat"]):
+        rc, out, err = run([*cmd, "--model", str(text_ckpt), "--image", str(img)], capsys)
+        assert rc == 2 and "text-only" in err and "no vision_config" in err and "Traceback" not in err
+
+
+def test_library_bounds_prompt_plus_new_tokens_by_the_model(text_ckpt):
+    model = kimik3.load(text_ckpt, dtype=torch.float32).eval()
+    sp = kimik3.inference.SamplingParams
+    with pytest.raises(ValueError, match=f"5 tokens \\+ max_new_tokens 36 exceed the model's {POSITIONS} positions"):
+        kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], sp(max_new_tokens=36))
+    with pytest.raises(ValueError, match=f"max_context {POSITIONS + 1} exceeds the model's {POSITIONS} positions"):
+        kimik3.inference.generate(model, [[1]], sp(max_new_tokens=1), max_context=POSITIONS + 1)
+    with pytest.raises(ValueError, match=f"a prompt of {POSITIONS} tokens leaves no room"):
+        kimik3.inference.generate(model, [[7] * POSITIONS], sp(max_new_tokens=1))
+    with pytest.raises(ValueError, match="max_context must be an integer >= 2"):
+        kimik3.inference.generate(model, [[1]], sp(max_new_tokens=1), max_context=1)
+    out = kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], sp(temperature=0, max_new_tokens=35))[0]
+    assert len(out.token_ids) == 35 or out.finish_reason == "stop"  # exactly fills the context: allowed
+    huge = sp(temperature=0, max_new_tokens=10**9)  # with max_context: stops there, nothing 10**9 long is allocated
+    out = kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], huge, max_context=POSITIONS)[0]
+    assert len(out.token_ids) <= POSITIONS - 5 and out.finish_reason in ("length", "stop")
+
+
+def test_cli_stops_at_the_context_with_a_note(text_ckpt, capsys):
+    base = ["generate", "--model", str(text_ckpt), "--prompt", "ROMEO:", "--temperature", "0"]
+    rc, out, err = run([*base, "--max-new-tokens", "1000000000"], capsys)
+    assert rc == 0, err
+    assert f"the context holds {POSITIONS} tokens (the model's max_position_embeddings)" in err
+    assert "not max_new_tokens 1,000,000,000" in err
+    rc, out, err = run([*base, "--max-new-tokens", "100000", "--max-context", "12"], capsys)
+    assert rc == 0 and "the context holds 12 tokens (--max-context)" in err
+    rc, out, err = run([*base, "--max-new-tokens", "3"], capsys)
+    assert rc == 0 and "note" not in err  # fits: nothing to say
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperature", "inf"], "temperature must be a finite number, got inf"),
+    (["--temperature", "nan"], "temperature must be a finite number, got nan"),
+    (["--temperature", "-0.5"], "temperature must be >= 0"),
+    (["--repetition-penalty", "inf"], "repetition_penalty must be a finite number"),
+    (["--seed", str(2**70)], "seed must be None or an integer"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+    (["--max-context", "1"], "--max-context must be at least 2"),
+    (["--max-context", str(POSITIONS + 1)], f"exceeds the model's {POSITIONS} positions"),
+    (["--device", "banana"], "banana"),
+])
+def test_generate_rejects_bad_values_before_loading(text_ckpt, capsys, extra, message):
+    rc, _, err = run(["generate", "--model", str(text_ckpt), "--prompt", "x", *extra], capsys)
+    assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+def test_generate_bad_files(text_ckpt, capsys, tmp_path):
+    binary, empty, notes = tmp_path / "p.bin", tmp_path / "empty.txt", tmp_path / "notes.png"
+    binary.write_bytes(b"\xff\xfe\xfa\x00")
+    empty.write_text("")
+    notes.write_text("not an image")
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    for f in text_ckpt.iterdir():
+        if f.name != "tiktoken.model":
+            (no_tok / f.name).write_bytes(f.read_bytes())
+    bad_gen = tmp_path / "bad_gen"
+    bad_gen.mkdir()
+    for f in text_ckpt.iterdir():
+        (bad_gen / f.name).write_bytes(f.read_bytes())
+    (bad_gen / "generation_config.json").write_text('{"temperature": "hot"}')
+    m = ["--model", str(text_ckpt)]
+    cases = [
+        ([*m, "--prompt-file", str(tmp_path / "missing.txt")], "--prompt-file", "missing.txt: no such file"),
+        ([*m, "--prompt-file", str(binary)], "p.bin: not UTF-8 text", ""),
+        ([*m, "--prompt-file", str(empty)], "empty.txt: the prompt is empty", ""),
+        ([*m, "--prompt", "x", "--image", str(notes)], "notes.png: not a readable image", ""),
+        (["--model", str(no_tok), "--prompt", "x"], "no tokenizer (tiktoken.model)", ""),
+        (["--model", str(bad_gen), "--prompt", "x"], "generation_config.json: sampling parameter temperature", ""),
+        (["--model", str(tmp_path / "nowhere"), "--prompt", "x"], "no model at", "nowhere"),
+    ]
+    for args, *messages in cases:
+        rc, _, err = run(["generate", *args], capsys)
+        assert rc == 2 and all(s in err for s in messages) and "BytesIO" not in err, (args, err)
+
+
+def test_prompt_file_is_the_prompt(text_ckpt, capsys, tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("ROMEO:\nnaïve ")
+    base = ["generate", "--model", str(text_ckpt), "--max-new-tokens", "4", "--temperature", "0"]
+    rc, from_file, err = run([*base, "--prompt-file", str(f)], capsys)
+    assert rc == 0, err
+    assert run([*base, "--prompt", "ROMEO:\nnaïve "], capsys)[1] == from_file
+
+
+@pytest.mark.parametrize("config", ["nowhere", "empty_folder", "bad.json"])
+@pytest.mark.parametrize("command", ["params", "memory"])
+def test_params_and_memory_bad_configs(capsys, tmp_path, command, config):
+    (tmp_path / "empty_folder").mkdir()
+    (tmp_path / "bad.json").write_text("{not json")
+    rc, _, err = run([command, str(tmp_path / config)], capsys)
+    assert rc == 2 and config in err and "Traceback" not in err, err
+
+
+def test_memory_notes_a_context_past_the_model(capsys):
+    rc, out, err = run(["memory", "tiny", "--context", "5000", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["total"] > 0
+    assert "5,000 tokens exceed the model's 4,096 positions" in err
+    rc, _, err = run(["memory", "tiny", "--context", "4096"], capsys)
+    assert rc == 0 and err == ""
+
+
+def test_stop_escapes():
+    assert unescape(r"\n\n") == "\n\n"
+    assert unescape(r"a\tb\r\\n") == "a\tb\r\\n"  # \\ is one backslash, so \\n stays a backslash and an n
+    assert unescape(r"\x41\u00e9") == "Aé"
+    assert unescape("naïve \\q \\") == "naïve \\q \\"  # unknown escapes and non-ASCII text are kept
+
+
+def test_stop_flag_is_unescaped_end_to_end(text_ckpt, capsys):
+    base = ["generate", "--model", str(text_ckpt), "--prompt", "ab", "--max-new-tokens", "12", "--temperature", "0"]
+    rc, full, _ = run(base, capsys)
+    tail = full[2:].rstrip("\n")
+    char = next((c for c in tail[1:] if 32 < ord(c) < 127), None)
+    assert rc == 0 and char is not None, full  # greedy text of printable bytes: something to stop at
+    rc, cut, err = run([*base, "--stop", f"\\x{ord(char):02x}"], capsys)
+    assert rc == 0, err
+    assert cut == "ab" + tail[: tail.index(char)] + "\n"
+
+
+def test_reasoning_is_styled_only_on_a_terminal(text_ckpt, capsys):
+    tok = Tokenizer.from_file(text_ckpt)
+    for style, has_escape in ((False, False), (True, True)):
+        printer = ChatPrinter(tok, thinking=True, style=style)
+        for t in tok.encode("thinking..."):
+            printer.feed(t)
+        printer.finish()
+        out = capsys.readouterr().out
+        assert "thinking..." in out.replace("\033[2m", "").replace("\033[0m", "")
+        assert ("\033[" in out) == has_escape
+    # the CLI into a file or pipe (capsys is not a terminal): plain text, reasoning included (the bundled model:
+    # the chat prompt's system message about thinking effort is longer than the tiny checkpoint's context)
+    for stream in ("--stream", "--no-stream"):
+        rc, out, err = run(["generate", "--device", "cpu", "--prompt", "hi", "--chat", "--max-new-tokens", "8",
+                            "--seed", "0", stream], capsys)
+        assert rc == 0 and out.strip() and "\033" not in out, err
+    rc, _, err = run(["generate", "--model", str(text_ckpt), "--prompt", "hi", "--chat"], capsys)
+    assert rc == 2 and "the context holds 40 (the model's max_position_embeddings): no room" in err
