@@ -24,10 +24,28 @@ def model(tiny_config):
     ({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"), ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"stop": ("",)}, "stop"),
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"), ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": float("nan")}, "min_p"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"temperature": "0.7"}, "temperature"), ({"top_k": 2.0}, "top_k"), ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"seed": 2**64}, "seed"), ({"seed": 1.5}, "seed"), ({"stop": "\n"}, "stop must be a list"),
+    ({"stop_token_ids": (3, -1)}, "stop_token_ids"), ({"stop_token_ids": 3}, "stop_token_ids"),
 ])
 def test_invalid_sampling_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_valid_sampling_values_of_other_types():
+    """Lists for tuples, numpy and torch-free integers, a negative seed (torch.Generator takes it)."""
+    import numpy as np
+
+    p = SamplingParams(temperature=0, top_k=np.int64(3), top_p=np.float32(0.5), seed=-1, stop=["a"],
+                       stop_token_ids=[np.int64(1)], max_new_tokens=2**40)
+    assert p.stop == ("a",) and p.stop_token_ids == (1,) and type(p.stop_token_ids[0]) is int
+    logits = torch.randn(2, 10)
+    extremes = [p, SamplingParams(temperature=0, seed=2**64 - 1)]  # the seed range's ends build generators
+    assert torch.equal(Sampler(extremes, 10).sample(logits), logits.argmax(-1))
 
 
 @torch.no_grad()
