@@ -113,6 +113,22 @@ def test_component_totals_sum_to_params(name):
     assert leaf_sum(atlas) == count_parameters(model).total == atlas["totals"]["total"]
 
 
+def test_config_without_mla_moe_or_vision():
+    """Components a config lacks are left out (no empty MLA leaf, no MoE frame), and the totals still add up."""
+    d = copy.deepcopy(load_config("tiny").hf)
+    d["text_config"].update(num_hidden_layers=4, first_k_dense_replace=4)
+    d["text_config"]["linear_attn_config"].update(kda_layers=[1, 2, 3, 4], full_attn_layers=[])
+    del d["vision_config"]
+    cfg = K3Config.from_hf(d)
+    atlas = build_atlas(cfg, name="all-kda", built_at=BUILT_AT)
+    assert not {"mla", "moe", "router", "experts", "combine", "vision", "projector"} & set(atlas["nodes"])
+    assert atlas["nodes"]["kda"]["instances"]["stored"] == 4 and atlas["nodes"]["dense_mlp"]["instances"]["used"] == 4
+    with torch.device("meta"):
+        model = K3ForConditionalGeneration(cfg, stored_dtype(cfg))
+    assert leaf_sum(atlas) == count_parameters(model).total == atlas["totals"]["text"]
+    assert all(t["producer"] in atlas["nodes"] for t in atlas["tensors"])
+
+
 def test_packed_model_accounts_the_same():
     from kimik3.atlas.accounting import account
     from kimik3.model.moe import pack_experts

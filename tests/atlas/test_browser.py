@@ -166,7 +166,7 @@ def test_click_selects_and_opens_the_page(browser, sites):
 
 
 def test_edge_label_opens_the_tensor_page(browser, sites):
-    root, atlases = sites
+    root, _ = sites
     open_page(browser, (root / "k3" / "index.html").as_uri())
     browser.find_element("css selector", '#diagram a.tensor[data-tensor="x_ffn"] text').click()
     assert browser.current_url.endswith("t/x_ffn.html")

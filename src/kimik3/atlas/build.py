@@ -74,11 +74,12 @@ def build_atlas(cfg: K3Config, *, name: str = "config", config_path: Path | None
                 context: int = 131072, built_at: str | None = None) -> dict:
     """The atlas of `cfg` (see module doc). `built_at` fixes the date field (two builds are then identical)."""
     comps = components(cfg)
-    by_id = {c.id: c for c in comps}
     with torch.device("meta"):
         model = K3ForConditionalGeneration(cfg, stored_dtype(cfg))
     experts = expert_format(cfg)
     acc = account(model, comps, experts)
+    comps = _present(comps, acc)
+    by_id = {c.id: c for c in comps}
     report = count_parameters(model)
     used, called = measure.used_instances(cfg, comps)
     flops = measure.flops_per_token(model, comps, cfg, context, called)
@@ -145,6 +146,28 @@ def build_atlas(cfg: K3Config, *, name: str = "config", config_path: Path | None
         "order": [c.id for c in comps],
         "tensors": [r for r in tensors(cfg) if r["producer"] in nodes],
     }
+
+
+def _present(comps: list, acc: dict) -> list:
+    """The components this config has: leaves that hold tensors (a config without MLA layers has no MLA
+    leaf), structure nodes over at least one of them, op boxes whose parent stayed."""
+    children: dict[str, list] = {}
+    for c in comps:
+        children.setdefault(c.parent, []).append(c)
+
+    def has_leaf(c) -> bool:
+        return c.id in acc if c.is_leaf else any(has_leaf(ch) for ch in children.get(c.id, []))
+
+    kept: list = []
+    ids: set[str] = set()
+    for c in comps:  # parents come before their children
+        if c.parent is not None and c.parent not in ids:
+            continue
+        if (c.is_leaf or c.kind == "structure" or c.id == "vision") and not has_leaf(c):
+            continue
+        kept.append(c)
+        ids.add(c.id)
+    return kept
 
 
 def _by_kind(cfg: K3Config, layers: list[int]) -> dict[str, int]:

@@ -40,9 +40,9 @@ def formulas(cfg: K3Config) -> dict[str, list[str]]:
         "input_norm": [r"\mathrm{RMSNorm}(x) = g \odot \mathrm{bf16}\!\left(\frac{x}{\sqrt{\overline{x^2} + "
                        + f"{t.rms_norm_eps:g}" + r"}}\right)"],
         "kda": [
-            r"\alpha_t = \exp(g_t),\quad g_t = -" + lb + r"\,\sigma\!\left(e^{A_h}(W_{f_b} W_{f_a} x_t + "
-            r"\delta)\right),\quad \beta_t = \sigma(W_b x_t)",
-            r"S \leftarrow \mathrm{Diag}(\alpha_t) S,\quad u_t = \beta_t\,(v_t - S^\top \hat k_t),\quad "
+            r"g_t = -" + lb + r"\,\sigma\!\left(e^{A_h}(W_{f_b} W_{f_a} x_t + \delta)\right)",
+            r"\alpha_t = \exp(g_t),\quad \beta_t = \sigma(W_b x_t)",
+            r"S \leftarrow \mathrm{Diag}(\alpha_t)\, S,\quad u_t = \beta_t\,(v_t - S^\top \hat k_t)",
             r"S \leftarrow S + \hat k_t u_t^\top,\quad o_t = S^\top \hat q_t / \sqrt{" + str(kd.head_dim) + "}",
             r"y = W_o\!\left(\mathrm{rms}(o) \odot w \odot \sigma(W_g x)\right)",
         ],
