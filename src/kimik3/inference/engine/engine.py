@@ -204,12 +204,13 @@ class Engine:
                 samplers.append((seq, len(rows) - 1))
             start += c.num_tokens
         logits, exports = self.runner.run(chunks, rows)
+        n_chunk = {c.seq: c.num_tokens for c in chunks}
         if exports:
             self._snapshot_exports(chunks, exports)
         for c in chunks:
             c.seq.num_computed += c.num_tokens
         for seq, row, n in prompt_lp:
-            self._prompt_logprobs(seq, logits[row: row + n], n)
+            self._prompt_logprobs(seq, logits[row: row + n], seq.num_computed - n_chunk[seq], n)
         advanced: dict[str, RequestState] = {}
         sampling = self._fork(samplers)
         if sampling:
@@ -251,7 +252,7 @@ class Engine:
                     if not len(self.blocks) and self.prefix is not None:
                         self.prefix.evict(need_free_blocks=1)
                     if not len(self.blocks):  # no room: this choice recomputes its prompt later
-                        self.scheduler.preempt(child)
+                        self.scheduler.preempt(child, unreserve=False)
                         continue
                     b = self.blocks.allocate()
                     self.blocks.copy(seq.blocks[p // size], b, p % size)
@@ -273,15 +274,17 @@ class Engine:
                 self.prefix.insert(seq.group.root_key, seq.tokens[:p], state, blocks,
                                    self.blocks.finite(blocks, p))
 
-    def _prompt_logprobs(self, seq: Sequence, logits, n: int) -> None:
-        """Prompt logprobs of positions [num_computed - n + 1, num_computed + 1) from the chunk's logits."""
+    def _prompt_logprobs(self, seq: Sequence, logits, first: int, n: int) -> None:
+        """Prompt logprobs from a chunk starting at position `first` (row i predicts prompt token first+i+1);
+        positions already reported (a preempted prefill computes them again) are skipped."""
         group, k = seq.group, seq.params.prompt_logprobs
         if group.prompt_logprobs is None:
             group.prompt_logprobs = [None]
-        first = seq.num_computed - n  # logits row i predicts token first + i + 1
-        targets = seq.tokens[first + 1: first + 1 + n]
-        lp = logits[: len(targets)].log_softmax(-1)
-        group.prompt_logprobs.extend(token_logprobs(lp, targets, k) if targets else [])
+        lo = len(group.prompt_logprobs)  # the next prompt position without a logprob
+        hi = min(first + n, seq.num_prompt - 1)  # the last position a row of this chunk predicts
+        if hi >= lo:
+            lp = logits[lo - first - 1: hi - first].log_softmax(-1)
+            group.prompt_logprobs.extend(token_logprobs(lp, seq.tokens[lo: hi + 1], k))
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         group, p = seq.group, seq.params
@@ -312,7 +315,7 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         """Snapshot the end state (prompt + output so far: the last sampled token is not computed yet), then
         free the sequence's slot and blocks."""
-        if self.prefix is not None and seq.params.prompt_logprobs is None and seq.num_computed % GRID:
+        if self.prefix is not None and seq.params.prompt_logprobs is None and seq.num_computed:
             p = seq.num_computed
             blocks = seq.blocks[: -(-p // self.blocks.size)]
             self.prefix.insert(seq.group.root_key, seq.tokens[:p], self.slots.save(seq.slot), blocks,

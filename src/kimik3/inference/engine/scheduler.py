@@ -149,11 +149,12 @@ class Scheduler:
         while group.reserved:
             self.slots.release(group.reserved.pop())
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, unreserve: bool = True) -> None:
         """Recompute later: free everything; the sequence goes back to the front of the queue."""
         self.running.remove(seq)
         self._release(seq, seq.slot)
-        self._unreserve(seq.group)
+        if unreserve:
+            self._unreserve(seq.group)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.preemptions += 1
