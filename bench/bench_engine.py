@@ -32,7 +32,7 @@ from kimik3.model.moe import LatentMoE
 from kimik3.presets import load_config
 
 SIZES = {  # mixed: requests, prompt range, output range, static batch; decode: context, steps; prefix tokens
-    "device": dict(requests=64, prompt=(128, 4096), output=(16, 512), static_batch=16, context=1024, steps=32,
+    "device": dict(requests=64, prompt=(128, 4096), output=(16, 512), static_batch=16, context=1024, steps=16,
                    batches=(1, 8, 64), prefix=4096, budget=2048),
     "cpu-demo": dict(requests=12, prompt=(32, 256), output=(4, 32), static_batch=4, context=128, steps=4,
                      batches=(1, 8, 64), prefix=512, budget=256),
@@ -135,6 +135,12 @@ def ttft_ms(engine: Engine, prompt: list[int], rid: str) -> tuple[float, int]:
     return (time.perf_counter() - t0) * 1e3, cached
 
 
+def emit(results: dict, rows: list, mode: str) -> None:
+    """Print the newest row and rewrite the JSON: a run stopped at its time limit keeps what it measured."""
+    print(" | ".join(rows[-1]), flush=True)
+    write_json(f"bench_engine_{mode}", {**results, "rows": rows})
+
+
 @torch.no_grad()
 def main(mode: str) -> None:
     s = SIZES[mode]
@@ -153,7 +159,34 @@ def main(mode: str) -> None:
         model = K3ForCausalLM(smoke_config("slice-12").text, torch.float32).init_weights(0).eval()
     graphs = DEVICE.type == "cuda"
     vocab = model.config.vocab_size
-    results, rows = {"mode": mode, "sizes": s}, []
+    results, rows = {"mode": mode, "sizes": s, "env": environment()}, []
+
+    bandwidth = ceilings()["copy_bytes_per_s"] / 2 if DEVICE.type == "cuda" else None  # read bytes per second
+    for B in s["batches"]:
+        e = engine_decode_ms(model, B, s, graphs)
+        g = static_decode_ms(model, B, s, graphs)
+        roof = roofline_ms(model, B, s["context"], bandwidth) if bandwidth else None
+        results[f"decode B={B}"] = {"engine_ms": e, "generate_ms": g, "ratio": e / g, "roofline_ms": roof}
+        rows.append([f"decode step B={B}, context {s['context']} (ms)", f"{e:.2f}", f"{g:.2f}", f"{e / g:.2f}x",
+                     "<= 1.2x" + (f"; roofline {roof:.2f} ms = {roof / e:.0%}" if roof else "")])
+        emit(results, rows, mode)
+
+    g = torch.Generator().manual_seed(1)
+    head = torch.randint(0, vocab, (s["prefix"],), generator=g).tolist()
+    tails = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(3)]
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=s["budget"], max_model_len=s["prefix"] + 128)
+    ttft_ms(engine, head[:64] + tails[0], "warmup")
+    engine.reset_prefix_cache()
+    cold, c0 = ttft_ms(engine, head + tails[1], "cold")
+    warm, c1 = ttft_ms(engine, head + tails[2], "warm")
+    results["prefix"] = {"cold_ttft_ms": cold, "warm_ttft_ms": warm, "ratio": warm / cold, "cold_cached": c0,
+                         "warm_cached": c1}
+    rows.append([f"TTFT, {s['prefix']}-token shared prefix (ms)", f"{warm:,.1f} (warm, {c1} cached)",
+                 f"{cold:,.1f} (cold)", f"{warm / cold:.2f}x", "<= 0.2x"])
+    emit(results, rows, mode)
+    del engine
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
 
     reqs = workload(s, vocab)
     longest = max(len(p) + n for p, n in reqs)
@@ -168,35 +201,13 @@ def main(mode: str) -> None:
                         "engine_stats": engine.stats}
     rows.append([f"mixed, {s['requests']} requests (tokens/s)", f"{cont:,.1f}", f"{static:,.1f}",
                  f"{cont / static:.2f}x", ">= 1.5x"])
-    del engine
-
-    bandwidth = ceilings()["copy_bytes_per_s"] / 2 if DEVICE.type == "cuda" else None  # read bytes per second
-    for B in s["batches"]:
-        e = engine_decode_ms(model, B, s, graphs)
-        g = static_decode_ms(model, B, s, graphs)
-        roof = roofline_ms(model, B, s["context"], bandwidth) if bandwidth else None
-        results[f"decode B={B}"] = {"engine_ms": e, "generate_ms": g, "ratio": e / g, "roofline_ms": roof}
-        rows.append([f"decode step B={B}, context {s['context']} (ms)", f"{e:.2f}", f"{g:.2f}", f"{e / g:.2f}x",
-                     "<= 1.2x" + (f"; roofline {roof:.2f} ms = {roof / e:.0%}" if roof else "")])
-
-    g = torch.Generator().manual_seed(1)
-    head = torch.randint(0, vocab, (s["prefix"],), generator=g).tolist()
-    tails = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(3)]
-    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=s["budget"], max_model_len=s["prefix"] + 128)
-    ttft_ms(engine, head[:64] + tails[0], "warmup")
-    engine.reset_prefix_cache()
-    cold, c0 = ttft_ms(engine, head + tails[1], "cold")
-    warm, c1 = ttft_ms(engine, head + tails[2], "warm")
-    results["prefix"] = {"cold_ttft_ms": cold, "warm_ttft_ms": warm, "ratio": warm / cold, "cold_cached": c0,
-                         "warm_cached": c1}
-    rows.append([f"TTFT, {s['prefix']}-token shared prefix (ms)", f"{warm:,.1f} (warm, {c1} cached)",
-                 f"{cold:,.1f} (cold)", f"{warm / cold:.2f}x", "<= 0.2x"])
+    emit(results, rows, mode)
 
     title = {"device": "slice-12 on the device", "cpu-demo": "demo model, fp32, CPU", "smoke": "smoke"}[mode]
     results["table"] = table(f"engine vs static generate(): {title}", ["row", "engine", "generate() / cold",
                                                                         "ratio", "target"], rows)
     results["env"] = environment()
-    write_json(f"bench_engine_{mode}", results)
+    write_json(f"bench_engine_{mode}", {**results, "rows": rows})
 
 
 if __name__ == "__main__":
