@@ -129,6 +129,18 @@ def test_config_without_mla_moe_or_vision():
     assert all(t["producer"] in atlas["nodes"] for t in atlas["tensors"])
 
 
+def test_facts_are_this_builds_numbers(k3_atlas, tiny_atlas):
+    k3 = {f["topic"]: f["shows"] for f in k3_atlas["facts"]}
+    assert k3["How many KDA layers"].startswith("69 KDA layers, of which 68 have a latent MoE")
+    assert "8 blocks (7 x 12 + 9 layers)" in k3["AttnRes blocks"] and "9 sources" in k3["AttnRes blocks"]
+    assert "MHA at these dims would cache 30,720, 53x more" in k3["MLA cache and positions"]
+    assert k3["RMSNorm eps"].startswith("1e-05 in 535 norms, 1e-06 in 48 norms")  # 24 MLA layers x 2 latent norms
+    assert "read in 92" in k3["Attention input mix: instances"]
+    for atlas in (k3_atlas, tiny_atlas):
+        assert all(f["link"] in atlas["nodes"] for f in atlas["facts"])
+    assert "L = 64" in {f["topic"]: f["shows"] for f in tiny_atlas["facts"]}["Routed experts' input width"]
+
+
 def test_packed_model_accounts_the_same():
     from kimik3.atlas.accounting import account
     from kimik3.model.moe import pack_experts

@@ -17,6 +17,7 @@ import torch
 from kimik3.atlas import evidence, measure
 from kimik3.atlas.accounting import account, census, quantization_mismatches
 from kimik3.atlas.catalog import KINDS, breadcrumb, components
+from kimik3.atlas.facts import facts
 from kimik3.atlas.formulas import edge_label, formulas, shapes, tensors
 from kimik3.atlas.params import count_parameters
 from kimik3.config import K3Config
@@ -119,7 +120,7 @@ def build_atlas(cfg: K3Config, *, name: str = "config", config_path: Path | None
     text_total = report.total - sum(nodes[i]["total"] for i in ("vision_patch", "vision_block", "vision_norm",
                                                                   "projector") if i in nodes)
     vision_total = report.total - text_total
-    return {
+    atlas = {
         "schema": SCHEMA,
         "name": name,
         "source": _source_label(name, config_path),
@@ -146,6 +147,8 @@ def build_atlas(cfg: K3Config, *, name: str = "config", config_path: Path | None
         "order": [c.id for c in comps],
         "tensors": [r for r in tensors(cfg) if r["producer"] in nodes],
     }
+    atlas["facts"] = facts(atlas, cfg, model)
+    return atlas
 
 
 def _present(comps: list, acc: dict) -> list:
