@@ -195,6 +195,9 @@ def test_tokenize_detokenize_models_reset_health(demo_tok):
         assert httpx.post(f"{url}/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == demo_tok.decode(
             t["tokens"])
         assert httpx.post(f"{url}/tokenize", json={"prompt": "Hark"}).json()["tokens"] == demo_tok.encode("Hark")
+        # raw prompts (tokenize, /v1/completions) read markers as tokens, as lm-eval's remote tokenizer expects
+        eos = httpx.post(f"{url}/tokenize", json={"prompt": "<|end_of_msg|>"}).json()["tokens"]
+        assert eos == [demo_tok.eos_id]
         models = _client(url).models.list()
         assert [m.id for m in models.data] == [MODEL]
         assert httpx.post(f"{url}/reset_prefix_cache").status_code == 200 and engine.reset_calls == 1

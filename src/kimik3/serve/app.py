@@ -213,8 +213,8 @@ def build_app(server: Server) -> FastAPI:
                 tokens = encode_chat(server.tokenizer, plan.messages, **plan.encode_kwargs)
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
-        elif isinstance(body.get("prompt"), str):
-            tokens = server.tokenizer.encode(body["prompt"])
+        elif isinstance(body.get("prompt"), str):  # as /v1/completions reads a string prompt: markers are tokens
+            tokens = server.tokenizer.encode(body["prompt"], allow_special=True)
         else:
             raise APIError("tokenize needs a string prompt or a messages list", param="prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}

@@ -265,7 +265,8 @@ async def chat_completion(server, http: Request, body: dict):
 async def completion(server, http: Request, body: dict):
     plan = parse_completion(body, defaults=server.config.defaults, vocab_size=server.vocab_size)
     tok = server.tokenizer
-    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in plan.prompts]
+    # raw mode: the client writes the whole prompt, markers included (a chat prompt goes through encode_chat)
+    prompts = [tok.encode(p, allow_special=True) if isinstance(p, str) else list(p) for p in plan.prompts]
     n = plan.sampling.n
     request_id = server.new_id("cmpl")
     requests, budgets = [], []
