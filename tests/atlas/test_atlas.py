@@ -207,6 +207,10 @@ def test_used_instances_match_a_real_forward(name, tiny_atlas):
         assert inst["unused"] == sorted(set(range(cfg.text.num_layers)) - seen[kind])
     assert atlas["nodes"]["attn_mix"]["instances"]["unused"] == [0]  # no stored sums before layer 0's attention
     assert atlas["nodes"]["attn_mix"]["notes"]
+    if name == "tiny":  # the vision leaves run on an image: every block is read
+        blocks = atlas["nodes"]["vision_block"]["instances"]
+        assert blocks["used"] == blocks["stored"] == cfg.vision.num_layers and not blocks["unused"]
+        assert atlas["nodes"]["projector"]["instances"]["used"] == 1
 
 
 def test_shapes_match_forward_hooks(tiny_atlas):

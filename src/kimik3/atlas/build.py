@@ -98,8 +98,7 @@ def build_atlas(cfg: K3Config, *, name: str = "config", config_path: Path | None
             a = acc[c.id]
             keys = a["instance_keys"] or [0]
             stored = keys if a["instance_keys"] else [0]
-            is_vision = c.id.startswith("vision") or c.id == "projector"
-            used_keys = stored if is_vision else used.get(c.id, [])
+            used_keys = used.get(c.id, [])
             per_layer = a["experts_per_layer"] or 1
             node.update({k: a[k] for k in ("rows", "per_instance", "total", "tensors_stored", "bytes_stored",
                                            "dtypes_stored")})
@@ -107,7 +106,7 @@ def build_atlas(cfg: K3Config, *, name: str = "config", config_path: Path | None
                 "stored": a["instances_stored"], "used": len(used_keys) * per_layer,
                 "experts_per_layer": a["experts_per_layer"],
                 "where": ranges(stored) if a["instance_keys"] else "",
-                "unused": [k for k in stored if k not in used_keys], "measured": not is_vision,
+                "unused": [k for k in stored if k not in used_keys],
                 "layers_by_kind": _by_kind(cfg, stored) if "layers" in node["breadcrumb"] else {},
             }
             node["flops"] = flops.get(c.id)

@@ -24,10 +24,11 @@ from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.cache import HybridCache, KDAState
 from kimik3.model.moe import Experts, MXFP4Experts, Router
+from kimik3.model.vision import encode_images
 
 
 def small_like(cfg: K3Config) -> K3Config:
-    """The same layer structure at small widths (fp32, bf16 experts, no vision): cheap to run on a CPU."""
+    """The same layer structure (and vision block count) at small widths: cheap to run on a CPU."""
     t = cfg.text
     kda = dataclasses.replace(t.kda, num_heads=2, head_dim=8, a_log_size=8 if t.kda.a_log_size > t.kda.num_heads else 2)
     mla = dataclasses.replace(t.mla, num_heads=2, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
@@ -37,7 +38,10 @@ def small_like(cfg: K3Config) -> K3Config:
                               expert_dim=14, latent_dim=9)
     text = dataclasses.replace(t, vocab_size=64, hidden_size=16, intermediate_size=20, pad_token_id=None,
                                kda=kda, mla=mla, moe=moe)
-    return dataclasses.replace(cfg, text=text, vision=None)
+    vision = None if cfg.vision is None else dataclasses.replace(
+        cfg.vision, hidden_size=16, intermediate_size=20, num_heads=2, qkv_hidden_size=16, mm_hidden_size=16,
+        text_hidden_size=text.hidden_size)
+    return dataclasses.replace(cfg, text=text, vision=vision)
 
 
 class _ReadRecorder(TorchFunctionMode):
@@ -67,8 +71,9 @@ def _small_model(cfg: K3Config, seed: int = 0) -> K3ForConditionalGeneration:
 
 
 def used_instances(cfg: K3Config, comps: list[Component], tokens: int = 6) -> tuple[dict[str, list[int]], set[str]]:
-    """(leaf id -> the instances (layer or block indices; [0] for single ones) whose tensors a text forward
-    reads, the names of the modules whose forward ran). Vision leaves are not run here (they run per image)."""
+    """(leaf id -> the instances (layer or block indices; [0] for single ones) whose tensors a forward reads,
+    the names of the modules whose forward ran). A text forward, then one 4 x 4-patch image through the vision
+    tower and projector (the path `embed` takes for images)."""
     model = _small_model(cfg)
     prefix = checkpoint_prefix(model)
     named = dict(model.state_dict(keep_vars=True))
@@ -79,6 +84,10 @@ def used_instances(cfg: K3Config, comps: list[Component], tokens: int = 6) -> tu
     try:
         with torch.no_grad(), rec:
             model(ids)
+            if model.has_vision:
+                gen = torch.Generator().manual_seed(1)
+                encode_images(model.vision_tower, model.mm_projector, torch.randn(16, 3, 14, 14, generator=gen),
+                              torch.tensor([[1, 4, 4]]))
     finally:
         for h in hooks:
             h.remove()
