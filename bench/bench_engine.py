@@ -117,8 +117,8 @@ def roofline_ms(model, B: int, context: int, bandwidth: float) -> float:
     for name, t in model.state_dict().items():
         (expert := expert + t.nbytes) if ".experts." in name else (dense := dense + t.nbytes)
     moe = next((m for m in model.modules() if isinstance(m, LatentMoE)), None)
-    touched = 1 - (1 - cfg.num_experts_per_token / cfg.num_experts) ** B if moe is not None else 0
-    one = model.new_cache(1, context).nbytes() if DEVICE.type != "meta" else {}
+    touched = 1 - (1 - cfg.moe.num_experts_per_token / cfg.moe.num_experts) ** B if moe is not None else 0
+    one = model.new_cache(1, context).nbytes()
     per_seq = 2 * (one["kda_state"] + one["kda_conv"]) + one["mla_latent"]
     return (dense + expert * touched + B * per_seq) / bandwidth * 1e3
 
@@ -161,14 +161,14 @@ def main(mode: str) -> None:
     vocab = model.config.vocab_size
     results, rows = {"mode": mode, "sizes": s, "env": environment()}, []
 
-    bandwidth = ceilings()["copy_bytes_per_s"] / 2 if DEVICE.type == "cuda" else None  # read bytes per second
+    bandwidth = ceilings()["copy_bytes_per_s"] / 2  # bytes read per second
     for B in s["batches"]:
         e = engine_decode_ms(model, B, s, graphs)
         g = static_decode_ms(model, B, s, graphs)
-        roof = roofline_ms(model, B, s["context"], bandwidth) if bandwidth else None
+        roof = roofline_ms(model, B, s["context"], bandwidth)
         results[f"decode B={B}"] = {"engine_ms": e, "generate_ms": g, "ratio": e / g, "roofline_ms": roof}
         rows.append([f"decode step B={B}, context {s['context']} (ms)", f"{e:.2f}", f"{g:.2f}", f"{e / g:.2f}x",
-                     "<= 1.2x" + (f"; roofline {roof:.2f} ms = {roof / e:.0%}" if roof else "")])
+                     f"<= 1.2x; roofline {roof:.2f} ms = {roof / e:.0%}"])
         emit(results, rows, mode)
 
     g = torch.Generator().manual_seed(1)

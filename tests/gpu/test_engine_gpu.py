@@ -22,10 +22,15 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def models(cfg):
+    """(CPU fp32, GPU fp32, GPU bf16) with one set of weights. CUDA graphs need the bf16 model: fp32 routed
+    experts run the reference loop, which reads expert counts on the host."""
     cpu = randomize(K3ForCausalLM(cfg, torch.float32), seed=61).eval()
-    gpu = K3ForCausalLM(cfg, torch.float32)
-    gpu.load_state_dict(cpu.state_dict())
-    return cpu, gpu.cuda().eval()
+    out = [cpu]
+    for dtype in (torch.float32, torch.bfloat16):
+        m = K3ForCausalLM(cfg, dtype)
+        m.load_state_dict(cpu.state_dict())
+        out.append(m.cuda().eval())
+    return out
 
 
 def prompts(lengths, seed=0):
@@ -41,15 +46,13 @@ def engine(model, **kw):
 
 @torch.no_grad()
 def test_gpu_engine_logprobs_match_cpu_engine(models):
-    """Mixed lengths, chunked prefill, decodes under CUDA graphs: the GPU engine's logprobs of the CPU engine's
-    greedy tokens agree with the CPU reference (fp32, IEEE dots)."""
-    cpu, gpu = models
+    """Mixed lengths, chunked prefill (fla varlen from per-slot states), MLA over paged latents: the GPU engine
+    agrees with the CPU engine on the reference ops (fp32, IEEE dots)."""
+    cpu, gpu, _ = models
     ps = prompts((5, 70, 130, 64, 1, 200, 33, 128))
     params = SamplingParams(temperature=0, max_new_tokens=8, logprobs=2)
     ref = engine(cpu).generate(ps, params)
-    eng = engine(gpu)
-    assert eng.runner.graphs  # decode-only steps replay graphs
-    got = eng.generate(ps, params)
+    got = engine(gpu).generate(ps, params)
     same = sum(r.outputs[0].token_ids == g.outputs[0].token_ids for r, g in zip(ref, got))
     assert same >= 7, f"{same} of 8 greedy sequences equal"
     for r, g in zip(ref, got):
@@ -60,11 +63,11 @@ def test_gpu_engine_logprobs_match_cpu_engine(models):
 
 
 @torch.no_grad()
-def test_gpu_engine_equals_graphed_generate(models):
-    _, gpu = models
+def test_gpu_engine_equals_generate(models):
+    _, gpu, _ = models
     ps = prompts((12, 40, 90, 7), seed=1)
     params = SamplingParams(temperature=0, max_new_tokens=10)
-    want = [c.token_ids for c in generate(gpu, ps, params, cuda_graph=True)]
+    want = [c.token_ids for c in generate(gpu, ps, params)]
     got = [o.outputs[0].token_ids for o in engine(gpu).generate(ps, params)]
     assert sum(a == b for a, b in zip(want, got)) >= 3
 
@@ -72,7 +75,7 @@ def test_gpu_engine_equals_graphed_generate(models):
 @torch.no_grad()
 def test_gpu_prefix_hit_is_exact(models):
     """A warm request restored from a chunk-end snapshot on the grid computes the cold one's tokens."""
-    _, gpu = models
+    _, gpu, _ = models
     head, t1, t2 = prompts((128, 20, 25), seed=2)
     params = SamplingParams(temperature=0, max_new_tokens=6, logprobs=1)
     eng = engine(gpu)
@@ -88,19 +91,24 @@ def test_gpu_prefix_hit_is_exact(models):
 
 @torch.no_grad()
 def test_graphed_decode_equals_eager_engine(models):
-    _, gpu = models
+    """bf16: the replayed decode steps (keys over the whole block table, padding rows on scratch) == eager ones."""
+    *_, gpu = models
     ps = prompts((30, 50, 9), seed=3)
     params = SamplingParams(temperature=0, max_new_tokens=12, logprobs=0)
-    a = engine(gpu, use_cuda_graphs=True).generate(ps, params)
+    graphed = engine(gpu, use_cuda_graphs=True)
+    assert sorted(graphed.runner.graphs) == [1, 2, 4, 8]
+    a = graphed.generate(ps, params)
     b = engine(gpu, use_cuda_graphs=False).generate(ps, params)
     for x, y in zip(a, b):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        assert rel_err(torch.tensor([lp.logprob for lp in x.outputs[0].logprobs]),
-                       torch.tensor([lp.logprob for lp in y.outputs[0].logprobs])) < 1e-5
+        n = next((i for i, (p, q) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)) if p != q), 12)
+        assert n >= 6, f"graphed and eager decodes part after {n} tokens"
+        assert rel_err(torch.tensor([lp.logprob for lp in x.outputs[0].logprobs[:n + 1]]),
+                       torch.tensor([lp.logprob for lp in y.outputs[0].logprobs[:n + 1]])) < 2e-2
 
 
+@torch.no_grad()
 def test_abort_under_graphs(models):
-    _, gpu = models
+    *_, gpu = models
     eng = engine(gpu)
     for i, p in enumerate(prompts((20, 30), seed=4)):
         eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_new_tokens=30)))

@@ -49,7 +49,7 @@ class Engine:
         enable_prefix_cache: reuse computed prefixes.
         eos_token_ids: ids that end every request (unless its ignore_eos).
         block_size: MLA block size in tokens (a divisor of 64, the snapshot grid).
-        use_cuda_graphs: replay captured decode-only steps (default: on CUDA).
+        use_cuda_graphs: replay captured decode-only steps (default: on CUDA in bf16/fp16).
         model_id: part of every prefix key (two models never share a cache entry).
         tokenizer: with `decode(ids) -> str`, enables stop strings.
         num_blocks: MLA pool blocks (default: every running sequence at max_model_len).
@@ -89,7 +89,9 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    snapshot_interval=snapshot_interval,
                                    interior_snapshots=supports_checkpoints(w))
-        graphs = w.is_cuda if use_cuda_graphs is None else use_cuda_graphs
+        # by default on CUDA in 16-bit: fp32 routed experts run the reference loop, which reads expert counts on
+        # the host and so cannot be captured
+        graphs = (w.is_cuda and w.dtype != torch.float32) if use_cuda_graphs is None else use_cuda_graphs
         with torch.no_grad():
             self.runner = ModelRunner(lm, self.cache, max_blocks, graphs, max_num_seqs)
         self.eos = tuple(eos_token_ids)
