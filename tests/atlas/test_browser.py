@@ -131,7 +131,7 @@ def test_diagram_renders(browser, sites, width):
                        min(a["y"] + a["h"], b["y"] + b["h"]) - max(a["y"], b["y"]) > 1)
             assert not overlap, (a["id"], b["id"])
     svg_text = browser.find_element("id", "diagram").text
-    assert "x93" in svg_text and "KDA + latent MoE: 61 layers" in svg_text and "MLA + latent MoE: 24 layers" in svg_text
+    assert "×93" in svg_text and "KDA + latent MoE: 61 layers" in svg_text and "MLA + latent MoE: 24 layers" in svg_text
     SCREENS.mkdir(parents=True, exist_ok=True)
     browser.save_screenshot(str(SCREENS / f"k3-index-{width}.png"))
     assert not errors(browser)

@@ -1,6 +1,6 @@
 """The diagram: an SVG column laid out here (no graph library: a column with a repeat frame needs none).
 
-Data flows top to bottom. The decoder layer is drawn once inside a frame with a `xN` badge and its variants;
+Data flows top to bottom. The decoder layer is drawn once inside a frame with a `×N` badge and its variants;
 alternatives that differ by layer (KDA | MLA, dense MLP | latent MoE) sit side by side with their layer
 counts. The AttnRes store is a dashed rail on the left: the running sum is stored there at block starts and
 every depth mix (attention input, FFN input, output) reads it. The vision tower is a side column whose
@@ -32,9 +32,9 @@ def _subtitle(node: dict) -> str:
     inst = node["instances"]
     if inst.get("experts_per_layer"):
         layers = inst["stored"] // inst["experts_per_layer"]
-        return f"{node['per_instance']:,} x {inst['experts_per_layer']:,} x {layers}"
+        return f"{node['per_instance']:,} × {inst['experts_per_layer']:,} × {layers}"
     if inst["stored"] > 1:
-        return f"{node['per_instance']:,} x {inst['stored']}"
+        return f"{node['per_instance']:,} × {inst['stored']}"
     return f"{node['total']:,}"
 
 
@@ -136,7 +136,7 @@ def diagram(atlas: dict) -> tuple[str, list[Box]]:
                       f'<text class="ftitle" x="{X0 - 4}" y="{frame_top + 20}">decoder layer, drawn once</text>'
                       f'<g class="badge"><rect x="{X0 + COL_W - 60}" y="{frame_top - 13}" width="76" height="26" '
                       f'rx="13"/><text x="{X0 + COL_W - 22}" y="{frame_top + 5}" text-anchor="middle">'
-                      f'x{cfg["layers"]}</text></g>')
+                      f'×{cfg["layers"]}</text></g>')
     y = frame_bottom
     g.edge(cx, y, y + GAP, "s [B, T, D]")
     y += GAP
@@ -231,7 +231,7 @@ def _vision(g: _Svg, nodes: dict, cfg: dict) -> float:
         badge = ""
         if cid == "vision_block":
             n = nodes[cid]["instances"]["stored"]
-            badge = f"x{n} blocks, {nodes[cid]['per_instance']:,} each"
+            badge = f"×{n} blocks, {nodes[cid]['per_instance']:,} each"
         g.box(cid, x, y, SIDE_W, badge)
         y += BOX_H
         if k < 3:
