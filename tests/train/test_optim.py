@@ -48,3 +48,42 @@ def test_schedules():
     assert f(80, "wsd") == 1.0 and math.isclose(f(90, "wsd"), 0.55) and math.isclose(f(100, "wsd"), 0.1)
     assert f(11, "constant") == f(100, "constant") == 1.0
     assert lr_factor(1, 10, 0, "cosine", 0.0, 0.2) > 0.97  # no warmup: starts at the peak
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3, 0.0])  # clipped, under the limit, no limit
+def test_clipping_folded_into_fused_adamw_equals_clip_then_step(tiny_config, max_norm):
+    """The trainer's fused AdamW with the clip folded in (`grad_scale`) updates the weights as torch's
+    clip_grad_norm_ followed by the foreach AdamW does, to fp32 rounding, and reports the same norm. Both get
+    the same fresh random gradients each step (so the comparison is of the optimizers, not of two forwards)."""
+    from kimik3.train.step import clip_and_update
+
+    lm = K3ForCausalLM(tiny_config.text, torch.float32).init_weights(3)
+    ref = K3ForCausalLM(tiny_config.text, torch.float32)
+    ref.load_state_dict(lm.state_dict())
+    opt = build_optimizer(lm, "adamw", 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    assert opt.optimizers[0].defaults["fused"] and opt.folds_clipping
+    groups = param_groups(ref, use_muon=False)
+    ref_opt = torch.optim.AdamW([{"params": [p for _, p in groups["decay"]], "weight_decay": 0.1},
+                                 {"params": [p for _, p in groups["plain"]], "weight_decay": 0.0}],
+                                lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    for _ in range(3):
+        for p, q in zip(lm.parameters(), ref.parameters()):
+            p.grad = torch.randn_like(p) * 0.1
+            q.grad = p.grad.clone()
+        norm = clip_and_update(lm, opt, max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm if max_norm > 0 else float("inf"))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert norm == ref_norm
+        assert all(p.grad is None for p in lm.parameters())
+    worst = max(((p - q).norm() / q.norm()).item() for p, q in zip(lm.parameters(), ref.parameters()))
+    print(f"max_norm {max_norm}: weights after 3 steps, worst relative difference {worst:.1e}")
+    assert worst < 1e-6, worst
+
+
+def test_muon_clips_before_the_step(tiny_config):
+    lm = K3ForCausalLM(tiny_config.text, torch.float32).init_weights(0)
+    opt = build_optimizer(lm, "muon", 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    assert not opt.folds_clipping  # Muon has no fused update: the trainer clips the gradients in place first
+    with pytest.raises(ValueError, match="folds_clipping"):
+        opt.step(grad_scale=torch.tensor(2.0))

@@ -62,22 +62,23 @@ def qb_update_exact(required_NE: Tensor, k: int) -> Tensor:
     return centre(exact_quantile(required_NE, k))
 
 
-def qb_histogram(scores_NE: Tensor, cutoff_N: Tensor, lo: float, hi: float, bins: int,
-                 out_EB: Tensor | None = None) -> tuple[Tensor, int]:
+def qb_histogram(scores_NE: Tensor, cutoff_N: Tensor, lo: float | Tensor, hi: float | Tensor, bins: int,
+                 out_EB: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Add each r = alpha - s to its expert's histogram on [lo, hi) with `bins` equal bins.
 
-    Returns (counts [E, bins], number of r outside [lo, hi) that were clamped into an end bin). Every row
-    gains exactly N counts. `out_EB` (int64 or int32) is accumulated into in place when given.
+    Returns (counts [E, bins], the number of r outside [lo, hi) that were clamped into an end bin, an int64
+    device scalar). Every row gains exactly N counts. `out_EB` (int64 or int32) is accumulated into in place
+    when given. `lo` and `hi` may be device scalars: nothing here waits on the host (it runs in a forward hook).
     """
     N, E = scores_NE.shape
     out_EB = torch.zeros(E, bins, dtype=torch.int64, device=scores_NE.device) if out_EB is None else out_EB
     width = (hi - lo) / bins
-    clamped = 0
+    clamped = torch.zeros((), dtype=torch.int64, device=scores_NE.device)
     offsets_E = torch.arange(E, device=scores_NE.device) * bins
     for start in range(0, N, _CHUNK):
         r_nE = cutoff_N[start:start + _CHUNK, None].float() - scores_NE[start:start + _CHUNK].float()
         raw = torch.floor((r_nE - lo) / width)
-        clamped += int(((raw < 0) | (raw > bins - 1)).sum())
+        clamped += ((raw < 0) | (raw > bins - 1)).sum()
         flat = (raw.clamp(0, bins - 1).long() + offsets_E).flatten()
         out_EB.view(-1).add_(torch.bincount(flat, minlength=E * bins).to(out_EB.dtype))
     return out_EB, clamped
@@ -92,10 +93,10 @@ def histogram_quantile(counts_EB: Tensor, k: int, lo: float, hi: float) -> Tenso
     """
     E, bins = counts_EB.shape
     H = counts_EB.double()
-    m = int(counts_EB[0].sum())
-    q = m * k / E
+    m = counts_EB[0].sum()  # int64 device scalar: no host read
+    q = (m * k).double() / E
     cum_EB = H.cumsum(-1)
-    target = torch.full((E, 1), float(-(-m * k // E)), dtype=torch.float64, device=H.device)  # ceil(q), exactly
+    target = torch.div(m * k + E - 1, E, rounding_mode="floor").double().expand(E, 1).contiguous()  # ceil(q)
     ell = torch.searchsorted(cum_EB, target).clamp(max=bins - 1)  # [E, 1]
     h = H.gather(-1, ell)
     c = cum_EB.gather(-1, ell) - h
@@ -115,13 +116,22 @@ def sign_update(loads_E: Tensor, bias_E: Tensor, gamma: float) -> Tensor:
     return centre(bias_E.double() + gamma * torch.sign(loads.mean() - loads)).float()
 
 
-def load_metrics(loads_E: Tensor) -> dict[str, float]:
-    """Spec 5.1 from global routed counts: max/mean, MaxVio, min/mean, coefficient of variation, dead experts."""
+LOAD_METRICS = ("max_mean", "maxvio", "min_mean", "cv", "dead")
+
+
+def load_stats(loads_E: Tensor) -> Tensor:
+    """`load_metrics` as one fp64 device vector, in LOAD_METRICS order (no host read)."""
     loads = loads_E.double()
     mean = loads.mean().clamp(min=1e-12)
-    return {"max_mean": (loads.max() / mean).item(), "maxvio": (loads.max() / mean - 1).item(),
-            "min_mean": (loads.min() / mean).item(), "cv": (loads.std(unbiased=False) / mean).item(),
-            "dead": int((loads_E == 0).sum())}
+    mx = loads.max() / mean
+    return torch.stack([mx, mx - 1, loads.min() / mean, loads.std(unbiased=False) / mean, (loads_E == 0).sum()])
+
+
+def load_metrics(loads_E: Tensor) -> dict[str, float]:
+    """Spec 5.1 from global routed counts: max/mean, MaxVio, min/mean, coefficient of variation, dead experts."""
+    out = dict(zip(LOAD_METRICS, load_stats(loads_E).tolist()))
+    out["dead"] = int(out["dead"])
+    return out
 
 
 @dataclass
@@ -133,9 +143,9 @@ class _LayerStats:
     hist: Tensor | None = None  # [E, B] counts of r
     loads: Tensor | None = None  # [E] routed counts
     required: list[Tensor] = field(default_factory=list)  # qb_exact: r chunks [n, E]
-    clamped: int = 0
-    lo: float | None = None  # the histogram range, fixed for the step from the bias in force
-    hi: float | None = None
+    clamped: Tensor | int = 0  # int64 device scalar once counted
+    lo: Tensor | None = None  # the histogram range (device scalars), fixed for the step from the bias in force
+    hi: Tensor | None = None
 
 
 class Balancer:
@@ -201,19 +211,19 @@ class Balancer:
         if self.method == "qb_exact":
             st.required.append(cutoff_N[:, None] - scores_NE.float())
             return
-        if st.lo is None:  # the range of the bias in force, fixed for the whole step
-            st.lo, st.hi = bias.min().item() - 1.0, bias.max().item() + 1.0
+        if st.lo is None:  # the range of the bias in force, fixed for the whole step (device scalars: no sync)
+            st.lo, st.hi = bias.min().double() - 1.0, bias.max().double() + 1.0
         if st.hist is None:  # int32 halves GPU memory (K3: 896 x 1000 per layer); CPU gloo sums int64 fine
             st.hist = torch.zeros(E, self.bins, dtype=torch.int32 if dev.type == "cuda" else torch.int64, device=dev)
         _, clamped = qb_histogram(scores_NE, cutoff_N, st.lo, st.hi, self.bins, st.hist)
-        st.clamped += clamped
+        st.clamped = st.clamped + clamped
 
     def _reduce(self, active: list[_LayerStats]) -> None:
         """Sum every layer's counts over the group in one collective (counts are additive: shard-invariant)."""
         if self._world() == 1 or not active:
             return
         parts = [s.loads for s in active] + [s.hist.long().flatten() for s in active if s.hist is not None]
-        parts.append(torch.tensor([s.clamped for s in active], device=parts[0].device))
+        parts.append(torch.stack([torch.as_tensor(s.clamped, device=parts[0].device) for s in active]))
         flat = torch.cat([p.long() for p in parts])
         dist.all_reduce(flat, group=self.group)
         pos = 0
@@ -224,8 +234,8 @@ class Balancer:
             if s.hist is not None:
                 s.hist = flat[pos:pos + s.hist.numel()].view(s.hist.shape)
                 pos += s.hist.numel()
-        for s, c in zip(active, flat[pos:].tolist()):
-            s.clamped = c
+        for i, s in enumerate(active):
+            s.clamped = flat[pos + i]
 
     def step(self) -> dict:
         """Reduce, update every layer's bias for the next step, return metrics; reset the statistics.
@@ -234,43 +244,59 @@ class Balancer:
         when no training forward happened since the last call).
         """
         active = [s for s in self.layers if s.loads is not None]
-        per_layer = {}
+        updates = []
         with torch.no_grad():
             self._reduce(active)
             for s in active:
-                per_layer[s.name] = self._update(s)
+                updates.append(self._update(s))
                 s.hist, s.loads, s.required, s.clamped, s.lo, s.hi = None, None, [], 0, None, None
-        if not per_layer:
+        if not updates:
             return {}
+        # every layer's metrics in one device-to-host copy: one wait per step, not ~12 per MoE layer
+        values = torch.cat([v for _, v in updates]).tolist()
+        per_layer, pos = {}, 0
+        for s, (names, _) in zip(active, updates):
+            m = dict(zip(names, values[pos:pos + len(names)]))
+            pos += len(names)
+            for key in ("dead", "tokens", "clamped"):
+                if key in m:
+                    m[key] = int(m[key])
+            per_layer[s.name] = m
+        q = min(m["q"] for m in per_layer.values())
+        if self.method in ("qb", "qb_exact") and q < 32 and not self._warned:
+            self._warned = True
+            warnings.warn(f"quantile balancing with q = {q:.1f} tokens per expert per step (< 32) is "
+                          "noisy; use a larger global batch, balancing.ema > 0, or method 'frozen'", stacklevel=2)
         vals = list(per_layer.values())
         return {"layers": per_layer, "max_mean_max": max(v["max_mean"] for v in vals),
                 "max_mean_mean": sum(v["max_mean"] for v in vals) / len(vals),
                 "maxvio_max": max(v["maxvio"] for v in vals), "cv_mean": sum(v["cv"] for v in vals) / len(vals)}
 
-    def _update(self, s: _LayerStats) -> dict:
+    def _update(self, s: _LayerStats) -> tuple[list[str], Tensor]:
+        """Replace one layer's bias on the device; returns its metric names and values (fp64 device vector)."""
         bias = s.router.e_score_correction_bias
-        k, E = s.router.top_k, bias.numel()
-        tokens = int(s.loads.sum()) // k
-        metrics = {**load_metrics(s.loads), "tokens": tokens, "q": tokens * k / E}
+        k, E, dev = s.router.top_k, bias.numel(), bias.device
+        tokens = s.loads.sum() // k
+        names = [*LOAD_METRICS, "tokens", "q"]
+        vals = [load_stats(s.loads), torch.stack([tokens.double(), (tokens * k).double() / E])]
         new = bias.float()
         if self.method == "qb":
             new = qb_update_from_histogram(s.hist, k, s.lo, s.hi)
-            metrics.update(bin_width=(s.hi - s.lo) / self.bins, clamped=s.clamped)
+            names += ["bin_width", "clamped"]
+            vals.append(torch.stack([((s.hi - s.lo) / self.bins).double(),
+                                     torch.as_tensor(s.clamped, device=dev).double()]))
         elif self.method == "qb_exact":
             new = qb_update_exact(torch.cat(s.required), k)
         elif self.method == "sign":
             new = sign_update(s.loads, bias, self.sign_gamma)
         if self.method in ("qb", "qb_exact") and self.ema > 0:
             new = centre(self.ema * bias.float() + (1 - self.ema) * new)
-        if self.method in ("qb", "qb_exact") and metrics["q"] < 32 and not self._warned:
-            self._warned = True
-            warnings.warn(f"quantile balancing with q = {metrics['q']:.1f} tokens per expert per step (< 32) is "
-                          "noisy; use a larger global batch, balancing.ema > 0, or method 'frozen'", stacklevel=3)
-        delta = (new.to(bias.device) - bias).abs().max().item()
+        new = new.to(dev)
+        delta = (new - bias).abs().max()
         bias.copy_(new)
-        metrics.update(bias_min=bias.min().item(), bias_max=bias.max().item(),
-                       bias_std=bias.std(unbiased=False).item(), bias_delta=delta)
-        return metrics
+        names += ["bias_min", "bias_max", "bias_std", "bias_delta"]
+        vals.append(torch.stack([bias.min(), bias.max(), bias.std(unbiased=False), delta]).double())
+        return names, torch.cat([v.to(dev) for v in vals])
 
     def remove(self) -> None:
         """Detach the hooks (the model is left exactly as it was, biases included)."""

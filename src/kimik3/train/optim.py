@@ -8,6 +8,11 @@ Parameter groups, by name and shape:
 Muon uses torch.optim.Muon with `adjust_lr_fn="match_rms_adamw"` (Moonlight's scaling), so one `optim.lr`
 serves both optimizers. The stacked routed experts [E, F, L] are 3-D and stay with AdamW.
 
+AdamW is torch's fused implementation: one kernel pass per parameter chunk reads param, grad and both moments
+once (measured on the 4-layer real-dims slice, H200: 95.7 ms against 235 ms for the foreach default). Gradient
+clipping folds into that pass: the fused kernel divides each gradient by its `grad_scale` (the hook
+GradScaler uses), so `Optimizers.step(grad_scale=max(1, norm / max_norm))` clips without a pass of its own.
+
 Schedule (step = 1-based optimizer step, S = train.steps, W = warmup_steps, m = min_lr_ratio):
     warmup:  lr * step / W                                         for step <= W
     cosine:  lr * (m + (1 - m) * (1 + cos(pi * p)) / 2), p = (step - W) / (S - W)
@@ -51,9 +56,25 @@ class Optimizers:
     def param_groups(self) -> list[dict]:
         return [g for o in self.optimizers for g in o.param_groups]
 
-    def step(self) -> None:
+    @property
+    def folds_clipping(self) -> bool:
+        """Whether `step(grad_scale=...)` applies the scale inside the update (every optimizer is a fused AdamW
+        over plain tensors, groups resumed from a foreach checkpoint included); otherwise the caller clips the
+        gradients first."""
+        return all(isinstance(o, torch.optim.AdamW) and all(g.get("fused") for g in o.param_groups)
+                   for o in self.optimizers)
+
+    def step(self, grad_scale: torch.Tensor | None = None) -> None:
+        """One update of every optimizer. `grad_scale` (a scalar tensor on the parameters' device, needs
+        `folds_clipping`): every gradient is divided by it inside the fused update, as if clipped beforehand."""
+        if grad_scale is not None and not self.folds_clipping:
+            raise ValueError("grad_scale needs fused AdamW optimizers over unsharded parameters (folds_clipping)")
         for o in self.optimizers:
-            o.step()
+            o.grad_scale = grad_scale  # read by fused AdamW's step (torch.optim.adam._fused_adam); None: unscaled
+            try:
+                o.step()
+            finally:
+                o.grad_scale = None
 
     def zero_grad(self) -> None:
         for o in self.optimizers:
@@ -83,7 +104,8 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     adam_groups = [{"params": [p for _, p in groups["decay"]], "weight_decay": weight_decay},
                    {"params": [p for _, p in groups["plain"]], "weight_decay": 0.0}]
     adam_groups = [g for g in adam_groups if g["params"]]
-    opts: list[torch.optim.Optimizer] = [torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps)]
+    opts: list[torch.optim.Optimizer] = [torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps,
+                                                           fused=_fused_ok(adam_groups))]
     if groups["muon"]:
         opts.append(torch.optim.Muon([p for _, p in groups["muon"]], lr=lr, weight_decay=weight_decay,
                                      momentum=muon_momentum, adjust_lr_fn="match_rms_adamw"))
@@ -91,6 +113,18 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
         for g in o.param_groups:
             g["base_lr"] = g["lr"]
     return Optimizers(opts)
+
+
+def _is_sharded(p: torch.Tensor) -> bool:
+    return hasattr(p, "full_tensor")  # a DTensor (FSDP2 / tensor parallel)
+
+
+def _fused_ok(groups: list[dict]) -> bool:
+    """Fused AdamW for floating-point parameters on CUDA or CPU. Sharded (DTensor) parameters keep the foreach
+    default: the fused kernel's DTensor support is not exercised by any test or device run here yet."""
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") and not _is_sharded(p)
+                                for p in params)
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float, decay_fraction: float) -> float:

@@ -56,13 +56,41 @@ def keep_routers_fp32(model: nn.Module) -> nn.Module:
     return model
 
 
-def _clip(model: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm (over all ranks' shards); returns the norm before clipping."""
+def clip_and_update(model: nn.Module, optimizers: Optimizers, max_norm: float) -> Tensor:
+    """Clip the global gradient norm (over all ranks' shards) to `max_norm` (<= 0: no limit), step the
+    optimizers and clear the gradients. Returns the norm before clipping, a device scalar (read it after the
+    update is queued, so the host never waits in between).
+
+    With fused AdamW (`optimizers.folds_clipping`) the clip costs one read of the gradients for the norm: the
+    update divides each gradient by max(1, (norm + 1e-6) / max_norm), torch's clip coefficient inverted, inside
+    its own pass. Otherwise (Muon, sharded parameters, expert parallelism) the gradients are clipped in place
+    first, as `torch.nn.utils.clip_grad_norm_` does.
+    """
     limit = max_norm if max_norm > 0 else float("inf")
     if expert_group_size(model) is not None:  # expert-parallel: each expert's gradient lives on one rank
-        return ep_clip_grad_norm_(model, limit)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        norm = torch.as_tensor(ep_clip_grad_norm_(model, limit))
+        optimizers.step()
+    else:
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)  # a DTensor when sharded
+        if optimizers.folds_clipping:  # plain tensors only
+            optimizers.step(grad_scale=((norm.float() + 1e-6) / limit).clamp(min=1.0))
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+            optimizers.step()
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    optimizers.zero_grad()
+    return norm
+
+
+def optimizer_phase(model: nn.Module, optimizers: Optimizers, balancer: Balancer, max_norm: float
+                    ) -> tuple[float, dict]:
+    """What follows the last backward of a step: clip + update, then the balancing update (before the next
+    forward, spec 4.3). Returns (gradient norm before clipping, balancing metrics); `bench/bench_train.py`
+    times exactly this."""
+    norm = clip_and_update(model, optimizers, max_norm)
+    balance = balancer.step()
+    return float(norm), balance
 
 
 def train_step(model: nn.Module, batches: list[MicroBatch], optimizers: Optimizers, balancer: Balancer, *,
@@ -82,10 +110,7 @@ def train_step(model: nn.Module, batches: list[MicroBatch], optimizers: Optimize
             loss = model(mb.input_ids, mb.labels, mb.cu_seqlens)
         (loss * (world_size / targets)).backward()
         loss_sum += loss.detach().double()
-    grad_norm = _clip(model, clip_grad_norm)
-    optimizers.step()
-    optimizers.zero_grad()
-    balance = balancer.step()  # after the last backward, before the next forward (spec 4.3)
+    grad_norm, balance = optimizer_phase(model, optimizers, balancer, clip_grad_norm)
     return StepResult(float(all_reduce(loss_sum)) / targets, grad_norm, tokens, balance)
 
 
