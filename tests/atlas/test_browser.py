@@ -45,11 +45,16 @@ def _browser_or_skip():
 
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory):
+    from kimik3.atlas.diff import diff_atlases
+    from kimik3.atlas.live import load_and_run
+    from kimik3.presets import DEMO_MODEL
+
     root = tmp_path_factory.mktemp("sites")
-    atlases = {}
-    for name in ("k3", "tiny"):
-        atlases[name] = build_atlas(load_config(name), name=name)
-        write_site(atlases[name], root / name)
+    atlases = {name: build_atlas(load_config(name), name=name) for name in ("k3", "tiny")}
+    write_site(atlases["k3"], root / "k3")
+    # tiny carries the extras: a diff page against k3 and live numbers from the demo model
+    write_site(atlases["tiny"], root / "tiny", diff=diff_atlases(atlases["tiny"], atlases["k3"]),
+               live=load_and_run(DEMO_MODEL, "ROMEO: But soft"))
     return root, atlases
 
 
@@ -238,6 +243,20 @@ def test_component_page_accounting_and_evidence(browser, sites):
     open_page(browser, (root / "k3" / "c" / "attn_mix.html").as_uri())
     text = browser.find_element("tag name", "body").text
     assert "1,333,248" in text and "92 used" in text and "never read in layer 0" in text
+    assert not errors(browser)
+
+
+def test_diff_and_live_pages(browser, sites):
+    root, atlases = sites
+    open_page(browser, (root / "tiny" / "diff.html").as_uri())
+    rows = browser.find_elements("css selector", "table.diff tr.sum td.num")
+    total_a, total_b, delta = (int(td.text.replace(",", "")) for td in rows)
+    assert (total_a, total_b) == (atlases["tiny"]["totals"]["total"], atlases["k3"]["totals"]["total"])
+    assert delta == total_b - total_a
+    open_page(browser, (root / "tiny" / "index.html").as_uri())
+    live = browser.find_element("css selector", "section.live")
+    assert "Expert load" in live.text and "AttnRes depth weights" in live.text and "KDA decay" in live.text
+    assert len(live.find_elements("css selector", "table.heat")) == 3
     assert not errors(browser)
 
 
