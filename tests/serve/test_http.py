@@ -307,13 +307,16 @@ def test_disconnect_aborts_within_a_step(demo_tok):
     assert threading.main_thread().ident not in engine.thread_ids and len(engine.thread_ids) == 1
 
 
-def test_metrics_parse_and_equal_reported_usage(demo_tok):
+def test_metrics_parse_and_equal_reported_usage(demo_tok, caplog):
+    caplog.set_level("INFO", logger="kimik3.serve")
     server, engine = _server(demo_tok, lambda p, i: demo_tok.encode("Soft you now"))
     with running(server) as url:
         client = _client(url)
         usages = [client.chat.completions.create(model=MODEL, messages=USER, n=n).usage for n in (1, 2)]
         usages.append(client.completions.create(model=MODEL, prompt="Hark", max_tokens=3).usage)
         text = httpx.get(f"{url}/metrics").text
+    lines = [r.getMessage() for r in caplog.records if r.name == "kimik3.serve" and " prompt=" in r.getMessage()]
+    assert len(lines) == 3 and all("ttft=" in x and "finish=" in x for x in lines)  # one log line per request
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
     assert samples["kimik3:prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
     assert samples["kimik3:generation_tokens_total"] == sum(u.completion_tokens for u in usages)

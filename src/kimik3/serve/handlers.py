@@ -175,7 +175,9 @@ async def chat_completion(server, http: Request, body: dict):
     params = _sampling_params(**sampling_kwargs(plan.sampling, max_tokens, logprobs=plan.logprobs))
     constraint = factory = None
     if plan.grammar is not None:
-        factory = server.constraint_factory(server.grammar(*plan.grammar, thinking=plan.thinking))
+        # compiling a large schema can take a while: off the event loop
+        grammar = await asyncio.to_thread(server.grammar, *plan.grammar, thinking=plan.thinking)
+        factory = server.constraint_factory(grammar)
         constraint = factory()
     request_id = server.new_id("chatcmpl")
     n = plan.sampling.n
