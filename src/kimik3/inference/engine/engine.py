@@ -52,7 +52,8 @@ class Engine:
         use_cuda_graphs: replay captured decode-only steps (default: on CUDA in bf16/fp16).
         model_id: part of every prefix key (two models never share a cache entry).
         tokenizer: with `decode(ids) -> str`, enables stop strings.
-        num_blocks: MLA pool blocks (default: every running sequence at max_model_len).
+        num_blocks: MLA pool blocks (default: every running sequence at max_model_len; on CUDA at most half the
+            free memory, and at least one sequence's worth).
         snapshot_interval: grid positions (multiples of 64) that get a prefix snapshot besides each prompt's
             last grid point and each finished request's end.
         poison: fill freed slots, freed blocks and evicted snapshots with NaN (tests: a stale read fails).
@@ -78,7 +79,13 @@ class Engine:
         w = lm.lm_head.weight
         self.dtype, self.device = w.dtype, w.device
         max_blocks = -(-self.max_model_len // block_size)
-        num_blocks = num_blocks or max_num_seqs * max_blocks
+        if num_blocks is None:
+            num_blocks = max_num_seqs * max_blocks
+            if w.is_cuda:  # a long max_model_len would ask for far more than the card has: half its free memory
+                mla = sum(kind == "mla" for kind in cfg.layer_types)
+                per_block = block_size * mla * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * w.element_size()
+                free = torch.cuda.mem_get_info(w.device)[0]
+                num_blocks = max(max_blocks, min(num_blocks, int(free // 2 // max(per_block, 1))))
         self.cache = PagedCache(cfg, max_num_seqs, num_blocks, block_size, w.dtype, w.device)
         self.slots, self.blocks = SlotPool(self.cache, poison), BlockPool(self.cache, poison)
         if prefix_cache_bytes is None:

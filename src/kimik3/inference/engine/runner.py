@@ -25,10 +25,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.graphs: dict[int, _DecodeGraph] = {}
         if use_cuda_graphs:
-            for n in GRAPH_BUCKETS:
-                self.graphs[n] = _DecodeGraph(self, n)
-                if n >= max_num_seqs:
-                    break
+            sizes = [n for n in GRAPH_BUCKETS if n < max_num_seqs] + [max_num_seqs]
+            pool = torch.cuda.graph_pool_handle()  # one memory pool for all: the largest is captured first
+            for n in sorted(sizes, reverse=True):
+                self.graphs[n] = _DecodeGraph(self, n, pool)
 
     def _tables(self, chunks: list[Chunk], rows: int | None = None) -> Tensor:
         table = torch.full((rows or len(chunks), self.max_blocks), self.cache.scratch_block, dtype=torch.long)
@@ -67,7 +67,7 @@ class ModelRunner:
 class _DecodeGraph:
     """One captured decode step for `rows` sequences (real ones first, then padding on the scratch rows)."""
 
-    def __init__(self, runner: ModelRunner, rows: int):
+    def __init__(self, runner: ModelRunner, rows: int, pool):
         self.runner, self.rows = runner, rows
         cache, d = runner.cache, runner.device
         self.ids = torch.zeros(1, rows, dtype=torch.long, device=d)
@@ -81,7 +81,7 @@ class _DecodeGraph:
                 self._forward()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
+        with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
             self.logits = self._forward()
 
     def _forward(self) -> Tensor:
