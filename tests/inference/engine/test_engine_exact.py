@@ -107,3 +107,28 @@ def test_demo_model_greedy_equals_generate():
     outs = make_engine(model, eos_token_ids=eos).generate(prompts, params)
     ref = [c.token_ids for c in generate(model, prompts, params, eos_token_ids=eos)]
     assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_static_decode_steps_equal_generate(model):
+    """The CUDA-graph step's form, run eagerly: padded to a bucket on the scratch slot and block, keys over the
+    whole block table. Mixed with chunked prefills and admissions it still gives generate()'s tokens."""
+    from kimik3.inference.engine.runner import _DecodeGraph
+
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (3, 40, 70, 17, 130), generator_seed=6)
+    params = [greedy(n, logprobs=0) for n in (12, 3, 9, 5, 10)]  # finishing apart: buckets pad
+    engine = make_engine(model, max_num_seqs=5)
+    engine.runner.graphs = {n: _DecodeGraph(engine.runner, n, None) for n in (1, 2, 4, 5)}
+    used = []
+    real = _DecodeGraph.__call__
+    _DecodeGraph.__call__ = lambda self, chunks: (used.append((self.rows, len(chunks))), real(self, chunks))[1]
+    try:
+        outs = engine.generate(prompts, params)
+    finally:
+        _DecodeGraph.__call__ = real
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(model, prompts, params)
+    assert any(rows > n for rows, n in used) and len(used) >= 5  # static steps ran, some with padding rows
+    for prompt, out in zip(prompts, outs):
+        ref = full_logprobs(model, prompt, out.outputs[0].token_ids)
+        got = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs])
+        assert rel_err(got, ref.gather(1, torch.tensor(out.outputs[0].token_ids)[:, None])[:, 0]) < 1e-5

@@ -65,7 +65,10 @@ class ModelRunner:
 
 
 class _DecodeGraph:
-    """One captured decode step for `rows` sequences (real ones first, then padding on the scratch rows)."""
+    """One captured decode step for `rows` sequences (real ones first, then padding on the scratch rows).
+
+    With `pool=None` nothing is captured and each call runs the same static step eagerly (the CPU tests check
+    the padding and the whole-table key span this way)."""
 
     def __init__(self, runner: ModelRunner, rows: int, pool):
         self.runner, self.rows = runner, rows
@@ -74,6 +77,9 @@ class _DecodeGraph:
         self.slots = torch.full((rows,), cache.scratch_slot, dtype=torch.long, device=d)
         self.cached = torch.zeros(rows, dtype=torch.long, device=d)
         self.tables = torch.full((rows, runner.max_blocks), cache.scratch_block, dtype=torch.long, device=d)
+        self.graph = None
+        if pool is None:
+            return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
@@ -100,5 +106,7 @@ class _DecodeGraph:
         self.slots.copy_(torch.tensor([c.seq.slot for c in chunks] + [cache.scratch_slot] * (self.rows - n)))
         self.cached.copy_(torch.tensor([c.seq.num_computed for c in chunks] + [0] * (self.rows - n)))
         self.tables.copy_(self.runner._tables(chunks, self.rows))
+        if self.graph is None:
+            return self._forward()
         self.graph.replay()
         return self.logits
