@@ -40,6 +40,18 @@ def test_site_is_offline(tiny_site):
             assert (page.parent / ref).resolve().is_file(), (page.name, ref)
 
 
+def test_component_pages_state_cache_sizes(tiny_site):
+    atlas = json.loads((tiny_site / "atlas.json").read_text())
+    m = atlas["memory"]
+    kda = (tiny_site / "c" / "kda.html").read_text()
+    assert f"{m['kda_state_per_sequence'] // m['kda_layers']:,} B of fp32 state" in kda
+    mla = (tiny_site / "c" / "mla.html").read_text()
+    assert f"{m['mla_latent_per_token'] // m['mla_layers']:,} B per token and layer" in mla
+    # tiny: 3 heads x 24 x 24 fp32 state; a 28-wide latent + a 10-wide shared key in bf16
+    assert m["kda_state_per_sequence"] // m["kda_layers"] == 3 * 24 * 24 * 4
+    assert m["mla_latent_per_token"] // m["mla_layers"] == (28 + 10) * 2
+
+
 def test_two_builds_are_identical(tmp_path):
     a = build_atlas(load_config("tiny"), name="tiny", built_at=BUILT_AT)
     b = build_atlas(load_config("tiny"), name="tiny", built_at=BUILT_AT)
