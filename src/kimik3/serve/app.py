@@ -211,8 +211,8 @@ def build_app(server: Server) -> FastAPI:
             plan = parse_chat(body, defaults=server.config.defaults, vocab_size=server.vocab_size)
             try:
                 tokens = encode_chat(server.tokenizer, plan.messages, **plan.encode_kwargs)
-            except ValueError as e:
-                raise APIError(str(e), param="messages") from None
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                raise APIError(f"messages: {e}", param="messages") from None
         elif isinstance(body.get("prompt"), str):  # as /v1/completions reads a string prompt: markers are tokens
             tokens = server.tokenizer.encode(body["prompt"], allow_special=True)
         else:

@@ -169,8 +169,8 @@ async def chat_completion(server, http: Request, body: dict):
     tok = server.tokenizer
     try:
         prompt = encode_chat(tok, plan.messages, **plan.encode_kwargs)
-    except ValueError as e:
-        raise APIError(str(e), param="messages") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # malformed messages, whichever check meets them
+        raise APIError(f"messages: {e}", param="messages") from None
     max_tokens = server.max_tokens(len(prompt), plan.sampling.max_tokens)
     params = _sampling_params(**sampling_kwargs(plan.sampling, max_tokens, logprobs=plan.logprobs))
     constraint = factory = None

@@ -173,7 +173,7 @@ def _thinking(body: dict) -> tuple[bool, str | None]:
         if where == "reasoning_effort" and value == "none":
             on = False
             continue
-        if value not in EFFORT_ALIASES:
+        if not isinstance(value, str) or value not in EFFORT_ALIASES:
             raise _bad(where, f"must be one of {sorted(EFFORT_ALIASES)}, got {value!r}")
         effort = EFFORT_ALIASES[value]
     return on, effort
