@@ -1,4 +1,5 @@
-"""How the model is built, computed from the live modules: parameter accounting (and later the atlas)."""
+"""How the model is built, computed from the live modules: exact parameter accounting (`params`) and the
+architecture atlas (`build.build_atlas` -> atlas.json, `render.write_site` -> a static site; `kimik3 atlas`)."""
 
 from kimik3.atlas.params import ParamReport, count_parameters, format_report
 
