@@ -23,6 +23,7 @@ def user_ck(saved, tmp_path):
     (ck / "tiktoken.model").write_bytes(b"dG9rZW4= 0\n")
     (ck / "README.md").write_text("# my tiny K3\n")
     (ck / "notes.txt").write_text("precious")
+    (ck / "optimizer.pt").write_bytes(b"weights of their own: kept in place, never copied along")
     (ck / "generation_config.json").write_text(json.dumps({"eos_token_id": 7, "temperature": 0.5}))
     return ck
 
@@ -33,6 +34,7 @@ def test_save_copies_what_the_loaded_folder_had(user_ck, tmp_path):
     out = save(model, tmp_path / "out", experts="bf16", quiet=True)
     for name in ("tiktoken.model", "README.md", "notes.txt", "generation_config.json"):
         assert (out / name).read_bytes() == (user_ck / name).read_bytes(), name
+    assert not (out / "optimizer.pt").exists()
     assert inspect_checkpoint(out).ok
 
 
@@ -46,7 +48,7 @@ def test_save_from_a_tokenizer_file(dense_model, user_ck, tmp_path):
 
 
 def test_convert_in_place_keeps_everything_but_the_old_weights(user_ck, saved, tmp_path):
-    before = {p.name: p.read_bytes() for p in user_ck.iterdir() if p.suffix in (".model", ".md", ".txt")}
+    before = {p.name: p.read_bytes() for p in user_ck.iterdir() if p.suffix in (".model", ".md", ".txt", ".pt")}
     assert main(["convert", str(user_ck), str(user_ck), "--experts", "bf16", "--quiet"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no hidden siblings left
     assert {n: (user_ck / n).read_bytes() for n in before} == before

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -212,27 +213,30 @@ def is_hidden_sibling(name: str) -> bool:
     return name.startswith(".") and (".partial-" in name or ".old-" in name)
 
 
-# written by `save` itself: never copied from a source folder, and replaced (not carried over) in place
+# what a checkpoint writer writes and replaces: config.json, the index and the model's shards
+_SHARD = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
+# weights of any kind, never copied along as a "companion"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def is_checkpoint_file(name: str) -> bool:
-    """config.json, the index and weight files: what a checkpoint writer writes and replaces."""
-    return name in (CONFIG, INDEX) or name.endswith(_WEIGHT_SUFFIXES)
+    """config.json, the index and the model shards: what `save` writes and, rewriting a folder, replaces (every
+    other file of the old folder is kept)."""
+    return name in (CONFIG, INDEX) or _SHARD.match(name) is not None
 
 
 def companion_files(source: str | Path) -> list[Path]:
     """The files that make a checkpoint folder usable besides its weights: tokenizer (`tiktoken.model`,
     `tokenizer_config.json`, ...), model card (`MODEL_CARD.md` / `README.md`), `generation_config.json`,
-    processor and code files. That is every visible top-level file that is not config.json, the index or a
-    weights file. `source` may also be one such file (a tokenizer passed on its own)."""
+    processor and code files. That is every visible top-level file that is not config.json, the index or
+    weights. `source` may also be one such file (a tokenizer passed on its own)."""
     source = Path(source)
     if source.is_file():
         return [source]
     if not source.is_dir():
         raise FileNotFoundError(f"{source}: no such folder or file to copy the tokenizer and model card from")
-    return [p for p in sorted(source.iterdir())
-            if p.is_file() and not p.name.startswith(".") and not is_checkpoint_file(p.name)]
+    return [p for p in sorted(source.iterdir()) if p.is_file() and not p.name.startswith(".")
+            and not is_checkpoint_file(p.name) and not p.name.endswith(_WEIGHT_SUFFIXES)]
 
 
 def copy_durably(src: Path, dst: Path) -> None:
