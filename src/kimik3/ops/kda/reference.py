@@ -126,15 +126,17 @@ def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     bf = beta.to(dtype).transpose(1, 2)
     N = B if bounds is None else len(bounds) - 1
     S0 = q.new_zeros(N, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
-    marked: list[Tensor] = []
-    marks = [frozenset(x) for x in offsets] if offsets is not None else [frozenset()] * N
+    marked: list[Tensor] = []  # checkpoint states (chunked core only), in (sequence, offset) order
+
+    def extra(i: int) -> tuple:
+        return () if offsets is None else (frozenset(offsets[i]), marked)
 
     if bounds is None:
-        if any(marks):  # batch rows: one core call per row keeps the exported states in (row, offset) order
+        if offsets is not None:  # batch rows: one core call per row keeps the exported states in order
             pieces, states = [], []
             for i in range(B):
                 oi, Si = core(qf[i:i + 1], kf[i:i + 1], vf[i:i + 1], gf[i:i + 1], bf[i:i + 1], S0[i:i + 1],
-                              marks[i], marked)
+                              *extra(i))
                 pieces.append(oi)
                 states.append(Si)
             o, S = torch.cat(pieces), torch.cat(states)
@@ -146,7 +148,7 @@ def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
         for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             seq = slice(lo, hi)
             oi, Si = core(qf[:, :, seq], kf[:, :, seq], vf[:, :, seq], gf[:, :, seq], bf[:, :, seq], S0[i : i + 1],
-                          marks[i], marked)
+                          *extra(i))
             pieces.append(oi)
             states.append(Si)
         o, S = torch.cat(pieces, dim=2), torch.cat(states, dim=0)
