@@ -30,6 +30,7 @@ for spec in "$@"; do
         # correctness steps take each Triton autotuner's first config (tests/conftest.py): no tuning minutes
         tests) [ ${#extra[@]} -eq 0 ] && extra=(tests)  # ARGS: the test paths (default: all)
                cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 -m pytest -m gpu -rf --durations=10
+                    --continue-on-collection-errors
                     -p no:cacheprovider "${extra[@]}") ;;
         diag) cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 -m tools.diagnose_fast_paths "${extra[@]}") ;;
         *) cmd=(python3 "bench/bench_$name.py" "${extra[@]}") ;;
