@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import linecache
+import os
 import subprocess
 import textwrap
 from functools import cache, lru_cache
@@ -34,8 +36,14 @@ def display_path(path: str | Path) -> str:
     return p.name
 
 
-@cache
 def _file_lines(path: str) -> tuple[str, ...]:
+    """The file as it is now (the cache is keyed by modification time: files may change under a long process)."""
+    linecache.checkcache(path)  # and inspect's own line cache, which getsourcelines reads
+    return _read_lines(path, os.stat(path).st_mtime_ns)
+
+
+@cache
+def _read_lines(path: str, mtime_ns: int) -> tuple[str, ...]:
     return tuple(Path(path).read_text().splitlines())
 
 
@@ -47,6 +55,7 @@ def _site(kind: str, claim: str, file: str, start: int, end: int) -> dict:
 
 def _class_tree(cls: type) -> tuple[str, int, ast.ClassDef]:
     file = inspect.getsourcefile(cls)
+    linecache.checkcache(file)
     lines, first = inspect.getsourcelines(cls)
     tree = ast.parse(textwrap.dedent("".join(lines)))
     node = tree.body[0]
@@ -126,6 +135,7 @@ def function_site(spec: str) -> dict:
     mod, name = spec.split(":")
     fn = getattr(importlib.import_module(mod), name)
     file = inspect.getsourcefile(fn)
+    linecache.checkcache(file)
     lines, first = inspect.getsourcelines(fn)
     what = " (the pure-torch reference)" if mod.endswith(".reference") else ""
     return _site("computes", f"{name} in {mod}{what}", file, first, first + len(lines) - 1)
