@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,10 +56,10 @@ class Entry:
     state: list[torch.Tensor]  # every KDA layer's (recurrent, conv q, k, v), copies
     blocks: list[int]  # MLA blocks of positions [0, len(tokens)), ref-held
     ancestors: list[bytes]  # grid keys of the shorter prefixes of this chain
+    under: bytes | None  # an end entry: the grid key it hangs under
     nbytes: int
     last_used: int = 0
     children: int = 0  # deeper entries of the same chain (an entry with children is not evicted first)
-    uses: int = field(default=0)
 
 
 class PrefixCache:
@@ -127,7 +127,7 @@ class PrefixCache:
         if nbytes + new_blocks * self.block_bytes > self.budget:
             return False
         ancestors = [k for k in keys[1:] if k != key]
-        e = Entry(key, tuple(tokens), state, list(blocks), ancestors, nbytes, next(self.clock))
+        e = Entry(key, tuple(tokens), state, list(blocks), ancestors, under, nbytes, next(self.clock))
         self.entries[key] = e
         if under is not None:
             self.ends.setdefault(under, []).append(key)
@@ -156,11 +156,10 @@ class PrefixCache:
 
     def _remove(self, e: Entry) -> None:
         del self.entries[e.key]
-        for under, keys in list(self.ends.items()):
-            if e.key in keys:
-                keys.remove(e.key)
-                if not keys:
-                    del self.ends[under]
+        if e.under is not None:
+            self.ends[e.under].remove(e.key)
+            if not self.ends[e.under]:
+                del self.ends[e.under]
         for k in e.ancestors:
             if k in self.entries:
                 self.entries[k].children -= 1
