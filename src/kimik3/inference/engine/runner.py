@@ -31,10 +31,11 @@ class ModelRunner:
                 self.graphs[n] = _DecodeGraph(self, n, pool)
 
     def _tables(self, chunks: list[Chunk], rows: int | None = None) -> Tensor:
-        table = torch.full((rows or len(chunks), self.max_blocks), self.cache.scratch_block, dtype=torch.long)
-        for i, c in enumerate(chunks):
-            table[i, : len(c.seq.blocks)] = torch.tensor(c.seq.blocks, dtype=torch.long)
-        return table
+        """[rows, MB] block tables (host), padded with the scratch block; one tensor built from one list."""
+        pad = self.cache.scratch_block
+        table = [c.seq.blocks + [pad] * (self.max_blocks - len(c.seq.blocks)) for c in chunks]
+        table += [[pad] * self.max_blocks] * ((rows or len(chunks)) - len(chunks))
+        return torch.tensor(table, dtype=torch.long)
 
     def run(self, chunks: list[Chunk], logit_rows: list[int]) -> tuple[Tensor, list | None]:
         """Run the chunks; returns (logits [M, V] fp32 at packed rows `logit_rows`, the step's KDA exports)."""
