@@ -133,7 +133,8 @@ def diagram(atlas: dict) -> tuple[str, list[Box]]:
     frame_bottom = y + 14
     g.parts.insert(0, f'<rect class="frame" x="{X0 - 16}" y="{frame_top}" width="{COL_W + 32}" '
                       f'height="{frame_bottom - frame_top}" rx="10"/>'
-                      f'<text class="ftitle" x="{X0 - 4}" y="{frame_top + 20}">decoder layer, drawn once</text>'
+                      f'<a class="frame-link" href="c/layers.html"><text class="ftitle" x="{X0 - 4}" '
+                      f'y="{frame_top + 20}">decoder layer, drawn once</text></a>'
                       f'<g class="badge"><rect x="{X0 + COL_W - 60}" y="{frame_top - 13}" width="76" height="26" '
                       f'rx="13"/><text x="{X0 + COL_W - 22}" y="{frame_top + 5}" text-anchor="middle">'
                       f'×{cfg["layers"]}</text></g>')
@@ -219,8 +220,9 @@ def _ffn(g: _Svg, nodes: dict, y: float, cx: float) -> float:
     g.box("shared_expert", mx + col_w + 12, top + 34 + (BOX_H + 22) * 2, mw - col_w - 24)
     y += 14
     g.parts.insert(0, f'<rect class="frame moe" x="{mx}" y="{top}" width="{mw}" height="{y - top}" rx="8"/>'
-                      f'<text class="ftitle" x="{mx + 10}" y="{top + 20}" data-id="moe">latent MoE '
-                      f'({nodes["router"]["instances"]["stored"]} layers)</text>')
+                      f'<a class="frame-link" href="c/moe.html"><text class="ftitle" x="{mx + 10}" y="{top + 20}">'
+                      'latent MoE '
+                      f'({nodes["router"]["instances"]["stored"]} layers)</text></a>')
     return y
 
 
