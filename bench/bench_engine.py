@@ -13,6 +13,7 @@ Rows (issue 16), all in one call:
     PYTHONPATH=src:. python3 bench/bench_engine.py             # device: slice-12, table + $OUT/bench_engine.json
     PYTHONPATH=src:. python3 bench/bench_engine.py --cpu-demo  # the same rows, scaled down, demo model fp32 on CPU
     PYTHONPATH=src:. python3 bench/bench_engine.py --smoke     # CPU check of this script at toy sizes
+    ... --rows prefix,mixed                                     # only some of decode, prefix, mixed
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kimik3.presets import load_config
 SIZES = {  # mixed: requests, prompt range, output range, static batch; decode: context, steps; prefix tokens
     "device": dict(requests=64, prompt=(128, 4096), output=(16, 512), static_batch=16, context=1024, steps=16,
                    batches=(1, 8, 64), prefix=4096, budget=2048),
-    "cpu-demo": dict(requests=12, prompt=(32, 256), output=(4, 32), static_batch=4, context=128, steps=4,
+    "cpu-demo": dict(requests=12, prompt=(32, 256), output=(4, 32), static_batch=4, context=128, steps=3,
                      batches=(1, 8, 64), prefix=512, budget=256),
     "smoke": dict(requests=6, prompt=(16, 100), output=(2, 8), static_batch=3, context=32, steps=2, batches=(1, 4),
                   prefix=128, budget=128),
@@ -142,7 +143,7 @@ def emit(results: dict, rows: list, mode: str) -> None:
 
 
 @torch.no_grad()
-def main(mode: str) -> None:
+def main(mode: str, which: tuple[str, ...] = ("decode", "prefix", "mixed")) -> None:
     s = SIZES[mode]
     if mode == "device":
         from bench.build import materialize
@@ -162,7 +163,7 @@ def main(mode: str) -> None:
     results, rows = {"mode": mode, "sizes": s, "env": environment()}, []
 
     bandwidth = ceilings()["copy_bytes_per_s"] / 2  # bytes read per second
-    for B in s["batches"]:
+    for B in s["batches"] if "decode" in which else ():
         e = engine_decode_ms(model, B, s, graphs)
         g = static_decode_ms(model, B, s, graphs)
         roof = roofline_ms(model, B, s["context"], bandwidth)
@@ -171,6 +172,19 @@ def main(mode: str) -> None:
                      f"<= 1.2x; roofline {roof:.2f} ms = {roof / e:.0%}"])
         emit(results, rows, mode)
 
+    if "prefix" in which:
+        prefix_row(model, s, vocab, results, rows, mode)
+    if "mixed" in which:
+        mixed_row(model, s, vocab, graphs, results, rows, mode)
+
+    title = {"device": "slice-12 on the device", "cpu-demo": "demo model, fp32, CPU", "smoke": "smoke"}[mode]
+    results["table"] = table(f"engine vs static generate(): {title}", ["row", "engine", "generate() / cold",
+                                                                        "ratio", "target"], rows)
+    results["env"] = environment()
+    write_json(f"bench_engine_{mode}", {**results, "rows": rows})
+
+
+def prefix_row(model, s, vocab, results, rows, mode) -> None:
     g = torch.Generator().manual_seed(1)
     head = torch.randint(0, vocab, (s["prefix"],), generator=g).tolist()
     tails = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(3)]
@@ -188,6 +202,9 @@ def main(mode: str) -> None:
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()
 
+
+
+def mixed_row(model, s, vocab, graphs, results, rows, mode) -> None:
     reqs = workload(s, vocab)
     longest = max(len(p) + n for p, n in reqs)
     engine = Engine(model, max_num_seqs=s["requests"], max_num_batched_tokens=s["budget"],
@@ -203,13 +220,8 @@ def main(mode: str) -> None:
                  f"{cont / static:.2f}x", ">= 1.5x"])
     emit(results, rows, mode)
 
-    title = {"device": "slice-12 on the device", "cpu-demo": "demo model, fp32, CPU", "smoke": "smoke"}[mode]
-    results["table"] = table(f"engine vs static generate(): {title}", ["row", "engine", "generate() / cold",
-                                                                        "ratio", "target"], rows)
-    results["env"] = environment()
-    write_json(f"bench_engine_{mode}", {**results, "rows": rows})
-
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main("smoke" if "--smoke" in args else "cpu-demo" if "--cpu-demo" in args else "device")
+    which = tuple(args[args.index("--rows") + 1].split(",")) if "--rows" in args else ("decode", "prefix", "mixed")
+    main("smoke" if "--smoke" in args else "cpu-demo" if "--cpu-demo" in args else "device", which)
