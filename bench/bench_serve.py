@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 SLICE_PROMPT, SLICE_OUTPUT, SLICE_LEVELS = 512, 128, (1, 8, 64)
-SMOKE_PROMPT, SMOKE_OUTPUT, SMOKE_LEVELS, SMOKE_SECONDS = 24, 6, (1, 2, 4, 8), 3.0
+SMOKE_PROMPT, SMOKE_OUTPUT, SMOKE_LEVELS, SMOKE_SECONDS = 24, 6, (1, 2, 4, 8), 2.0
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -57,11 +57,11 @@ def _close(a: list[float], b: list[float]) -> bool:
 def test_greedy_http_equals_in_process_and_concurrency_8_equals_sequential(served, model, demo_tok):
     url, _, _ = served
     prompts = [encode_chat(demo_tok, [{"role": "user", "content": line}]) for line in LINES]
-    ref = _engine(model, demo_tok).generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, logprobs=1))
+    ref = _engine(model, demo_tok).generate(prompts, SamplingParams(temperature=0, max_new_tokens=6, logprobs=1))
     client = _client(url)
 
     def ask(ids):
-        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, logprobs=1,
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, logprobs=1,
                                       extra_body={"skip_special_tokens": False})
         return r.choices[0]
 
@@ -81,12 +81,12 @@ def test_greedy_http_equals_in_process_and_concurrency_8_equals_sequential(serve
             assert got.text == demo_tok.decode(ids)
             assert _close(got.logprobs.token_logprobs, want_lp)
     # the chat endpoint parses the same ids
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LINES[0]}], max_tokens=10,
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LINES[0]}], max_tokens=6,
                                        temperature=0)
     parsed = parse_response(demo_tok, ref[0].outputs[0].token_ids)
     assert r.choices[0].message.content == parsed.content
     assert (r.choices[0].message.model_extra.get("reasoning_content") or "") == parsed.reasoning_content
-    assert r.usage.prompt_tokens == len(prompts[0]) and r.usage.completion_tokens == 10
+    assert r.usage.prompt_tokens == len(prompts[0]) and r.usage.completion_tokens == 6
 
 
 def test_repeated_prompt_reports_cached_tokens_and_identical_output(served, demo_tok):
