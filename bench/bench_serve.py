@@ -9,6 +9,12 @@ output parser), driven by an aiohttp load generator. Reports output tokens/s, TT
 HTTP overhead (1 - HTTP tokens/s / in-process tokens/s; the target is <= 5% at concurrency 64).
 
     PYTHONPATH=src:. python3 bench/bench_serve.py            # device: table + $OUT/bench_serve.json
+
+The device image lacks the serve stack: carry wheels (pip download --no-deps for Python 3.12 of fastapi,
+starlette, uvicorn, pydantic, pydantic-core, annotated-doc, annotated-types, typing-inspection, typing-extensions,
+opentelemetry-api into .whl/serve/, beside fla's wheel in .whl/) and start the one device call with
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl .whl/serve/*.whl &&
+    PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 python3 bench/bench_serve.py
     PYTHONPATH=src:. python3 bench/bench_serve.py --smoke    # CPU: `kimik3 serve` on the demo model, load at
                                                              # concurrency 1, 2, 4, 8 for a fixed time; fails on
                                                              # any failed request
