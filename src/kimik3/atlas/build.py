@@ -276,6 +276,12 @@ def _notes(nodes: dict, cfg: K3Config) -> None:
         nodes["shared_expert"]["notes"].append(
             f"num_shared_experts = {mo.num_shared_experts} is a width multiplier: one MLP {mo.shared_dim} wide "
             f"(= {mo.num_shared_experts} x {mo.expert_dim}), not {mo.num_shared_experts} separate experts")
+    if "experts" in nodes:
+        mo = t.moe
+        nodes["experts"]["notes"].append(
+            f"instances count every expert of every MoE layer; a token runs {mo.num_experts_per_token} of the "
+            f"{mo.num_experts} in each layer, so 'used' means the layer reads its experts: which ones run depends "
+            "on the routing (the live numbers show the load per expert for a prompt)")
     if "router" in nodes:
         nodes["router"]["notes"].append(
             "e_score_correction_bias is an fp32 buffer (quantile balancing updates it); it only selects experts, "
