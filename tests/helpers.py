@@ -9,14 +9,19 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from kimik3.testing import randomize, rel_err
 
-__all__ = ["CONFIGS", "REPO", "free_port", "interpret_triton", "randomize", "rel_err", "spying_safe_open"]
+__all__ = ["CONFIGS", "REPO", "free_port", "interpret_triton", "randomize", "rel_err", "requires_cuda",
+           "spying_safe_open"]
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+
+# with the `gpu` marker on device tests: `pytest -m gpu` on a machine without CUDA skips them rather than failing
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def free_port() -> int:

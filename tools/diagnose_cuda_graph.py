@@ -1,6 +1,6 @@
 """Where a CUDA-graphed decode step departs from eager at the same static shapes (a device diagnostic).
 
-Rebuilds `tests/gpu/test_model_gpu.py::test_cuda_graph_decode_equals_eager`'s model and inputs (tiny config with
+Rebuilds `tests/model/test_model_gpu.py::test_cuda_graph_decode_equals_eager`'s model and inputs (tiny config with
 KDA head_dim 64, `randomize(seed=51)`, global seed 1234) and compares 10 graphed decode steps with eager ones.
 With hooks (the default) every module records its inputs and outputs in the eager step and in the captured
 graph, and each step prints the modules whose inputs agree bit for bit while their outputs do not.

@@ -82,7 +82,7 @@ def main(kda_only: bool = False) -> None:
             report(f"{op} {str(dtype)[6:]}", out, ref, routes, ref_routes)
         only(None)
     # the KDA op alone, fla vs reference: forward, final state and every gradient, over head counts and dims;
-    # first the shape of tests/gpu test_chunk_kda_gradients (bf16, B=1, T=130, H=2, K=128, initial state)
+    # first the shape of tests/ops/test_kda_fast.py::test_chunk_kda_gradients (bf16, B=1, T=130, H=2, K=128, initial state)
     only("kda")
     bf, f32 = torch.bfloat16, torch.float32
     for dtype, B, T, H, K, h0, dht in (
