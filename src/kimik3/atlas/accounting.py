@@ -78,8 +78,7 @@ def account(model: nn.Module, comps: list[Component], experts: str = "mxfp4") ->
             leaf["tensors"] += copies
             leaf["bytes"] += _numel(s.shape) * s.dtype.itemsize * copies
             leaf["dtypes"][_dt(s.dtype)] += copies
-        key = inst if inst is not None else 0
-        leaf["instances"][key] = n
+        leaf["instances"][inst] = n  # inst: the layer or block index; None for a one-off component
         if rel in leaf["rows"] and leaf["rows"][rel]["count"] != count:
             raise ValueError(f"{cid}: tensor {rel} differs in size between instances")
         first = stored  # expert 0's codes + scales, or the one tensor
@@ -92,12 +91,12 @@ def account(model: nn.Module, comps: list[Component], experts: str = "mxfp4") ->
     for cid, leaf in leaves.items():
         rows = list(leaf["rows"].values())
         per_instance = sum(r["count"] for r in rows)
-        layers = sorted(leaf["instances"])
+        layers = sorted(k for k in leaf["instances"] if k is not None)
         stored = sum(leaf["instances"].values())
         out[cid] = {
             "rows": rows, "per_instance": per_instance, "instances_stored": stored,
-            "instance_keys": layers if any(k for k in layers) or len(layers) > 1 else [],
-            "experts_per_layer": leaf["instances"][layers[0]] if rows and rows[0]["per_expert"] else None,
+            "instance_keys": layers,
+            "experts_per_layer": next(iter(leaf["instances"].values())) if rows and rows[0]["per_expert"] else None,
             "total": per_instance * stored, "tensors_stored": leaf["tensors"], "bytes_stored": leaf["bytes"],
             "dtypes_stored": dict(sorted(leaf["dtypes"].items())),
         }
