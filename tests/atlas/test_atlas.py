@@ -325,6 +325,7 @@ def test_memory_and_flops_numbers(k3_atlas):
     assert f["shared_expert"]["flops"]["weights"] == 2 * 132_120_576
     assert f["attn_mix"]["flops"] is None  # read as a vector by the mix, never a matmul
     assert f["mla"]["flops"]["core"] == 2 * 96 * (192 + 128) * 131072
+    assert f["kda"]["flops"]["core"] == 4 * 96 * 128 * 128
 
 
 @pytest.mark.parametrize("name", ["tiny", "unseen"])
@@ -333,6 +334,7 @@ def test_flop_formulas_match_torch_flop_counter(name):
     rows = check_flops(cfg, components(cfg))
     leaves = {r["leaf"] for r in rows}
     assert {"kda", "mla", "experts", "router", "shared_expert", "lm_head", "latent_down"} <= leaves
+    assert {(r["leaf"], r["what"]) for r in rows} >= {("mla", "core"), ("kda", "core (decode)")}
     bad = [r for r in rows if r["formula"] != r["counted"] or r["counted"] == 0]
     assert not bad, bad
 

@@ -140,8 +140,9 @@ def flops_per_token(model: nn.Module, comps: list[Component], cfg: K3Config, con
     per = _leaf_flops(model, comps, t.moe.num_experts_per_token, called)
     ml, kd = t.mla, t.kda
     core = {"mla": 2 * ml.num_heads * (ml.qk_head_dim + ml.v_head_dim) * context,
-            # recurrent form per token: S^T k, k u^T, S^T q, each H x K x V multiply-adds
-            "kda": 6 * kd.num_heads * kd.head_dim * kd.head_dim}
+            # recurrent form per token: the two state products S^T k and S^T q (the rank-1 update k u^T and the
+            # decay are elementwise, not matmuls)
+            "kda": 4 * kd.num_heads * kd.head_dim * kd.head_dim}
     out = {}
     for cid, insts in per.items():
         one = next(iter(insts.values()))
@@ -178,6 +179,20 @@ def check_flops(cfg: K3Config, comps: list[Component], tokens: int = 12) -> list
         expected = len(mla_layers) * tokens * 2 * ml.num_heads * (ml.qk_head_dim + ml.v_head_dim) * tokens
         counted = sum(bmm.get(f"language_model.model.layers.{i}.self_attn", 0) for i in mla_layers)
         rows.append({"leaf": "mla", "what": "core", "formula": expected, "counted": counted})
+    kda_layers = [i for i, k in enumerate(small.text.layer_types) if k == "kda"]
+    if kda_layers:  # one decoded token against a cache: the recurrent form the formula counts
+        lm = model.language_model
+        cache = lm.new_cache(1, tokens + 1)
+        decode = FlopCounterMode(display=False)
+        with torch.no_grad():
+            lm(ids, cache=cache)
+            with decode:
+                lm(ids[:, :1], cache=cache)
+        kd = small.text.kda
+        counted = sum(n for k, v in decode.get_flop_counts().items() for op, n in v.items()
+                      if "bmm" in str(op) and any(k.endswith(f"model.layers.{i}.self_attn") for i in kda_layers))
+        rows.append({"leaf": "kda", "what": "core (decode)", "formula": len(kda_layers) * 4 * kd.num_heads
+                     * kd.head_dim * kd.head_dim, "counted": counted})
     return rows
 
 
