@@ -96,8 +96,7 @@ def build_atlas(cfg: K3Config, *, name: str = "config", config_path: Path | None
                 "children": [d.id for d in comps if d.parent == c.id]}
         if c.is_leaf:
             a = acc[c.id]
-            keys = a["instance_keys"] or [0]
-            stored = keys if a["instance_keys"] else [0]
+            stored = a["instance_keys"] or [0]  # [0]: a one-off component (measure keys it so too)
             used_keys = used.get(c.id, [])
             per_layer = a["experts_per_layer"] or 1
             node.update({k: a[k] for k in ("rows", "per_instance", "total", "tensors_stored", "bytes_stored",
