@@ -149,3 +149,21 @@ def test_salt_and_flush_isolate(model):
     engine.reset_prefix_cache()
     assert engine.stats["kda_snapshots"] == 0 and engine.prefix.nbytes == 0
     assert engine.generate([prompt], greedy(2))[0].cached_tokens == 0
+
+
+def test_long_turn_after_an_end_snapshot_returns_to_the_grid(model):
+    """Restored off the grid (an end snapshot at 79), a 300-token continuation is chunked back onto the grid:
+    its grid snapshots are exported on the way and a third turn hits them."""
+    V = model.config.vocab_size
+    turn1, user2, user3 = random_prompts(V, (70, 300, 5), generator_seed=15)
+    params = greedy(10)
+    engine = make_engine(model, max_num_batched_tokens=256)
+    out1 = run_one(engine, "t1", turn1, params)
+    turn2 = turn1 + out1.outputs[0].token_ids + user2
+    out2 = run_one(engine, "t2", turn2, params)
+    assert out2.cached_tokens == 79
+    assert out2.outputs[0].token_ids == reference_tokens(model, [turn2], params)[0]
+    turn3 = turn2[:320] + user3
+    out3 = run_one(engine, "t3", turn3, greedy(4))
+    assert out3.cached_tokens == 320
+    assert out3.outputs[0].token_ids == reference_tokens(model, [turn3], greedy(4))[0]

@@ -69,11 +69,16 @@ class Scheduler:
         return chunks
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
-        left = len(seq.tokens) - seq.num_computed
+        """All that is left if the budget allows; else a chunk that ends on the grid. A sequence off the grid
+        (restored from an end snapshot, or cut short) first computes up to the next grid point."""
+        start, left = seq.num_computed, len(seq.tokens) - seq.num_computed
         if left <= budget:
             return left
-        end = (seq.num_computed + budget) // GRID * GRID  # a cut chunk ends on the grid
-        return max(end - seq.num_computed, 0)
+        if start % GRID:
+            return min(GRID - start % GRID, budget)
+        end = (start + budget) // GRID * GRID
+        # a budget short of the next grid point cuts off it (never starve); the next chunk returns to the grid
+        return end - start if end > start else budget
 
     def _exports(self, seq: Sequence, n: int) -> list[int]:
         """Offsets in this chunk after which the state is snapshot: the grid points on the snapshot interval,
@@ -84,8 +89,8 @@ class Scheduler:
         last = (seq.num_prompt - 1) // GRID * GRID
         want = [p for p in range((start // GRID + 1) * GRID, end + 1, GRID)
                 if p % self.snapshot_interval == 0 or p == last]
-        if not self.interior_snapshots:
-            want = [p for p in want if p == end]
+        # inside a chunk only its own 64-token boundaries hold a state (all of them when it starts on the grid)
+        want = [p for p in want if p == end or (self.interior_snapshots and (p - start) % GRID == 0)]
         return [p - start for p in want]
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
