@@ -122,6 +122,8 @@ def test_openai_client_round_trip_reasoning_tools_logprobs_n(demo_tok):
         client = _client(url)
         r = client.chat.completions.create(model=MODEL, messages=USER, tools=[TOOL], n=2, logprobs=True,
                                            top_logprobs=3, max_completion_tokens=100, seed=7, temperature=0.5,
+                                           presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={"5": 2.5},
+                                           top_p=0.9, user="u1",
                                            extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
                                                        "chat_template_kwargs": {"thinking": True},
                                                        "cache_salt": "s1", "unknown_field": 1})
@@ -138,6 +140,8 @@ def test_openai_client_round_trip_reasoning_tools_logprobs_n(demo_tok):
         p = engine.added[0].params
         assert (p.n, p.logprobs, p.seed, p.temperature, p.top_k, p.min_p, p.repetition_penalty) == (
             2, 3, 7, 0.5, 5, 0.1, 1.1)
+        assert (p.presence_penalty, p.frequency_penalty, p.logit_bias, p.top_p, p.max_new_tokens) == (
+            0.5, -0.25, ((5, 2.5),), 0.9, 100)
         assert engine.added[0].cache_salt == "s1"
         stream = client.chat.completions.create(model=MODEL, messages=USER, tools=[TOOL], stream=True,
                                                 stream_options={"include_usage": True})
