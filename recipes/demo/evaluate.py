@@ -66,7 +66,7 @@ def load_lm(path: str | Path, device: torch.device, precision: str):
     # fp32: parameters and compute in fp32 (experts dequantized exactly); bf16: the stored bf16 weights under the
     # recipe's autocast, as the trainer evaluated
     dtype = torch.float32 if precision == "fp32" else None
-    return kimik3.load(path, device=device, dtype=dtype, experts="dequantize", quiet=True).language_model.eval()
+    return kimik3.load(path, device=device, dtype=dtype, quiet=True).language_model.eval()  # experts dequantized
 
 
 def zero_routed_experts(lm) -> int:
