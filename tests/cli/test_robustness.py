@@ -200,3 +200,24 @@ def test_reasoning_is_styled_only_on_a_terminal(text_ckpt, capsys):
         assert rc == 0 and out.strip() and "\033" not in out, err
     rc, _, err = run(["generate", "--model", str(text_ckpt), "--prompt", "hi", "--chat"], capsys)
     assert rc == 2 and "the context holds 40 (the model's max_position_embeddings): no room" in err
+
+
+def test_images_on_a_checkpoint_without_vision_tensors(capsys, tmp_path):
+    """config.json has a vision_config but the shards hold no vision_tower.* tensors: text loads, images don't."""
+    d = json.loads((CONFIGS / "tiny.json").read_text())
+    d.update(bos_token_id=256, eos_token_id=258, pad_token_id=511, media_placeholder_token_id=277)
+    d["text_config"].update(vocab_size=512, bos_token_id=256, eos_token_id=258, pad_token_id=511)
+    cfg = K3Config.from_hf(d)
+    model = randomize(K3ForConditionalGeneration(cfg, torch.float32, text_only=True), seed=6)
+    path = kimik3.save(model, tmp_path / "ck", experts="bf16", dtype=torch.float32)
+    written = json.loads((path / "config.json").read_text())
+    written["vision_config"] = d["vision_config"]  # as other implementations' text-only test checkpoints do
+    (path / "config.json").write_text(json.dumps(written))
+    (path / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    img = tmp_path / "a.png"
+    Image.new("RGB", (30, 20), (1, 2, 3)).save(img)
+    base = ["generate", "--model", str(path), "--max-new-tokens", "2", "--temperature", "0"]
+    rc, _, err = run([*base, "--prompt", "x"], capsys)
+    assert rc == 0, err
+    rc, _, err = run([*base, "--prompt", "what is it?", "--image", str(img)], capsys)
+    assert rc == 2 and "holds no vision tower tensors" in err, err

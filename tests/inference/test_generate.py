@@ -58,7 +58,31 @@ def test_greedy_equals_argmax_of_full_forwards(model):
     assert out.token_ids == ids[len(prompt):] and out.finish_reason == "length"
 
 
+def test_sampler_rows_are_exactly_independent_of_the_batch():
+    """What holds in any dtype: given the same logits, a seeded row draws the same tokens whatever else shares
+    its batch (its own generator, its own filters). The model's logits are what may differ (see the next test)."""
+    V = 300
+    mine = SamplingParams(temperature=0.9, top_p=0.8, top_k=50, min_p=0.01, repetition_penalty=1.3, seed=11)
+    others = [SamplingParams(temperature=0.3, seed=2), SamplingParams(temperature=0),
+              SamplingParams(top_k=3, repetition_penalty=2.0)]
+    alone, crowd = Sampler([mine], V), Sampler([others[0], mine, *others[1:]], V)
+    prompt = torch.randint(0, V, (1, 6))
+    alone.observe(prompt)
+    crowd.observe(torch.cat([torch.randint(0, V, (1, 6)), prompt, torch.randint(0, V, (2, 6))]))
+    for _ in range(40):
+        logits = torch.randn(1, V) * 3
+        t = alone.sample(logits)
+        batch = crowd.sample(torch.cat([torch.randn(1, V), logits, torch.randn(2, V)]))
+        assert batch[1] == t[0]
+        alone.observe(t[:, None])
+        crowd.observe(batch[:, None])
+
+
 def test_seeded_request_is_independent_of_its_batch(model):
+    """End to end in fp32 on the CPU: a row's logits in a batch differ from its solo run by rounding only (the
+    batch shape changes GEMM blocking; 3e-6 to 6e-6 relative on this model, measured over 8 draws), far below
+    the margins the sampler decides on. Not claimed in bf16: there a rounding difference can flip an MoE
+    routing choice (0.12 relative in one draw of 8) and a seeded row can part from its solo run."""
     p = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_new_tokens=10)
     alone = generate(model, [[3, 4, 5]], p)[0].token_ids
     others = [SamplingParams(temperature=0.7, top_k=5, seed=1, max_new_tokens=4), p,
