@@ -17,6 +17,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from kimik3.serve.runner import EngineRunner
 __all__ = ["Server", "ServerConfig", "build_app"]
 
 log = logging.getLogger("kimik3.serve")
+GRAMMAR_CACHE = 64
 
 
 @dataclass
@@ -65,7 +67,7 @@ class Server:
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.runner.stats if self.runner is not None else {})
         self._grammar_vocab = None
-        self._grammars: dict[str, str] = {}
+        self._grammars: OrderedDict[str, str] = OrderedDict()  # the most recent GRAMMAR_CACHE compiled grammars
 
     def attach(self, engine, tokenizer, *, vocab_size: int | None = None) -> None:
         """Start serving `engine` (the engine contract of kimik3.inference.engine) with `tokenizer`; `vocab_size`
@@ -95,6 +97,9 @@ class Server:
                 self._grammars[lark] = self._grammar_vocab.compile(lark)
             except ValueError as e:
                 raise APIError(str(e), param="response_format" if kind == "json" else "tools") from None
+            while len(self._grammars) > GRAMMAR_CACHE:  # clients choose the schemas: keep the memory bounded
+                self._grammars.popitem(last=False)
+        self._grammars.move_to_end(lark)
         return self._grammars[lark]
 
     def constraint_factory(self, grammar: str):
