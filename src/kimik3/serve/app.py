@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -68,6 +69,7 @@ class Server:
         self.metrics = Metrics(lambda: self.runner.stats if self.runner is not None else {})
         self._grammar_vocab = None
         self._grammars: OrderedDict[str, str] = OrderedDict()  # the most recent GRAMMAR_CACHE compiled grammars
+        self._grammar_lock = threading.Lock()
 
     def attach(self, engine, tokenizer, *, vocab_size: int | None = None) -> None:
         """Start serving `engine` (the engine contract of kimik3.inference.engine) with `tokenizer`; `vocab_size`
@@ -89,18 +91,20 @@ class Server:
         """A compiled llguidance grammar, cached by its text (compiling a schema costs ~1 ms to ~1 s)."""
         from kimik3.inference.constraints import GrammarVocab, json_grammar, tool_call_grammar
 
-        if self._grammar_vocab is None:
-            self._grammar_vocab = GrammarVocab(self.tokenizer, max(self.vocab_size, self.tokenizer.vocab_size))
+        with self._grammar_lock:
+            if self._grammar_vocab is None:
+                self._grammar_vocab = GrammarVocab(self.tokenizer, max(self.vocab_size, self.tokenizer.vocab_size))
         lark = json_grammar(spec, thinking=thinking) if kind == "json" else tool_call_grammar(spec, thinking=thinking)
-        if lark not in self._grammars:
-            try:
-                self._grammars[lark] = self._grammar_vocab.compile(lark)
-            except ValueError as e:
-                raise APIError(str(e), param="response_format" if kind == "json" else "tools") from None
-            while len(self._grammars) > GRAMMAR_CACHE:  # clients choose the schemas: keep the memory bounded
-                self._grammars.popitem(last=False)
-        self._grammars.move_to_end(lark)
-        return self._grammars[lark]
+        with self._grammar_lock:  # handlers compile in worker threads (asyncio.to_thread)
+            if lark not in self._grammars:
+                try:
+                    self._grammars[lark] = self._grammar_vocab.compile(lark)
+                except ValueError as e:
+                    raise APIError(str(e), param="response_format" if kind == "json" else "tools") from None
+                while len(self._grammars) > GRAMMAR_CACHE:  # clients choose the schemas: keep the memory bounded
+                    self._grammars.popitem(last=False)
+            self._grammars.move_to_end(lark)
+            return self._grammars[lark]
 
     def constraint_factory(self, grammar: str):
         from kimik3.inference.constraints import GrammarConstraint
