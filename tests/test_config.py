@@ -157,6 +157,16 @@ def test_unknown_keys_warn_with_the_closest_known_one(path, key, near):
     assert cfg.text == K3Config.from_hf(_hf("tiny")).text
 
 
+def test_a_config_file_is_named_in_its_errors_and_warnings(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_mutate(["text_config", "num_hidden_layers"], 7.5)))
+    with pytest.raises(ValueError, match=rf"^{path}: config: 'text_config.num_hidden_layers' must be an integer"):
+        K3Config.from_file(path)
+    path.write_text(json.dumps(_mutate(["text_config", "rms_norm_epsilon"], 1e-5)))
+    with pytest.warns(UserWarning, match=rf"^{path}: config: unknown key 'text_config.rms_norm_epsilon'"):
+        K3Config.from_file(path)
+
+
 def test_shipped_configs_have_no_unknown_keys(recwarn):
     from kimik3.presets import CONFIG_DIR, DEMO_MODEL
 

@@ -287,7 +287,16 @@ class K3Config:
             d = json.loads(path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_hf(d)
+        # errors and unknown-key warnings name the file
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                cfg = cls.from_hf(d)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+        for w in caught:
+            warnings.warn(f"{path}: {w.message}", w.category, stacklevel=2)
+        return cfg
 
     @classmethod
     def from_hf(cls, d: dict) -> "K3Config":
