@@ -251,6 +251,35 @@ def test_shapes_match_forward_hooks(tiny_atlas):
         assert [list(o.shape) for o in outs] == want_out, (k, [o.shape for o in outs], want_out)
 
 
+def test_k3_shapes_on_the_meta_device(k3_atlas):
+    """The released config's page shapes == the shapes its modules produce, run on the meta device."""
+    from kimik3.model.kda import KimiDeltaAttention
+    from kimik3.model.mla import MultiHeadLatentAttention
+    from kimik3.model.moe import LatentMoE
+
+    cfg = load_config("k3").text
+    B, T = 2, 3
+    free = {"B": B, "T": T, "N": B * T}
+    with torch.device("meta"):
+        x_BTD = torch.empty(B, T, cfg.hidden_size, dtype=torch.bfloat16)
+        moe = LatentMoE(cfg, torch.bfloat16)
+        z = moe.routed_expert_down_proj(x_BTD.reshape(B * T, -1))
+        runs = {"kda": (KimiDeltaAttention(cfg, torch.bfloat16), x_BTD),
+                "mla": (MultiHeadLatentAttention(cfg, torch.bfloat16), x_BTD),
+                "router": (moe.gate, x_BTD.reshape(B * T, -1)), "latent_down": (moe.routed_expert_down_proj,
+                                                                                 x_BTD.reshape(B * T, -1)),
+                "latent_norm": (moe.routed_expert_norm, z), "latent_up": (moe.routed_expert_up_proj, z),
+                "shared_expert": (moe.shared_experts, x_BTD.reshape(B * T, -1))}
+        for k, (mod, inp) in runs.items():
+            out = mod(inp)
+            outs = out if isinstance(out, tuple) else (out,)
+            shapes = k3_atlas["nodes"][k]["shapes"]
+            size = lambda axes: [free[a] if s is None else s for a, s in axes]
+            assert list(inp.shape) == size(next(s for s in shapes if s["role"] == "in")["axes"]), k
+            want = [size(s["axes"]) for s in shapes if s["role"] == "out" for _ in s["name"].split(", ")]
+            assert [list(o.shape) for o in outs] == want, (k, [o.shape for o in outs], want)
+
+
 def test_tensor_pages_connect_components(k3_atlas, tiny_atlas):
     for atlas in (k3_atlas, tiny_atlas):
         ids = [t["id"] for t in atlas["tensors"]]
