@@ -29,16 +29,12 @@ CONTEXTS = (4096, 131072, 1048576)
 
 def expert_format(cfg: K3Config) -> str:
     """How the checkpoint stores the routed experts: "mxfp4" or "bf16"."""
-    storage = getattr(cfg, "storage", None)
-    if storage is not None:
-        return storage.experts
-    return "mxfp4" if getattr(cfg.text, "experts_quantization", None) == "mxfp4" else "bf16"
+    return cfg.storage.experts
 
 
 def stored_dtype(cfg: K3Config) -> torch.dtype:
     """The checkpoint's dtype outside the fp32 islands (the meta model is built in it)."""
-    storage = getattr(cfg, "storage", None)
-    return getattr(torch, storage.dtype if storage is not None else getattr(cfg.text, "dtype", "bfloat16"))
+    return getattr(torch, cfg.storage.dtype)
 
 
 def ranges(idx: list[int]) -> str:
