@@ -12,7 +12,7 @@ import sys
 from kimik3.cli.common import (
     add_model_args,
     add_sampling_args,
-    clamp_note,
+    check_context,
     context_window,
     load_model_and_tokenizer,
     sampling_params,
@@ -146,7 +146,7 @@ def run(args) -> int:
             print(f"error: {e}")
             continue
         try:
-            clamp_note(args, params, len(ids), window)
+            check_context(args, params, len(ids), window)
         except ValueError as e:
             print(f"error: {e}; /reset starts the conversation again")
             continue

@@ -115,7 +115,7 @@ def model_text_config(model):
     return model.config.text if hasattr(model.config, "text") else model.config
 
 
-def clamp_note(args, params, prompt_tokens: int, window: int | None) -> None:
+def check_context(args, params, prompt_tokens: int, window: int | None) -> None:
     """A prompt that fills the context is an error; an answer that will stop at the context's end rather than
     at max_new_tokens gets a note on stderr."""
     if window is None or prompt_tokens + params.max_new_tokens <= window:

@@ -11,7 +11,7 @@ from kimik3.cli import batch
 from kimik3.cli.common import (
     add_model_args,
     add_sampling_args,
-    clamp_note,
+    check_context,
     context_window,
     load_model_and_tokenizer,
     sampling_params,
@@ -79,7 +79,7 @@ def run(args) -> int:
     else:
         ids, images, printer = tok.encode(prompt), {}, None
     window = context_window(args, model)
-    clamp_note(args, params, len(ids), window)
+    check_context(args, params, len(ids), window)
     if not chat and args.stream:  # a continuation reads on from its prompt
         print(prompt, end="", flush=True)
     out = []
