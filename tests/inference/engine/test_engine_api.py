@@ -49,6 +49,8 @@ def test_refusals_name_the_problem(model):
     engine.add_request(Request("x", [1, 2], greedy()))
     with pytest.raises(ValueError, match="already running"):
         engine.add_request(Request("x", [1, 2], greedy()))
+    with pytest.raises(ValueError, match="can never fit the MLA pool"):
+        make_engine(model, num_blocks=4).add_request(Request("big", [1] * 40, greedy(30)))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_engine(model, max_num_batched_tokens=32)
     with pytest.raises(ValueError, match="block_size"):

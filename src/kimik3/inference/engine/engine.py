@@ -121,9 +121,11 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {request.request_id!r}: a prompt of {len(ids)} tokens leaves no room for "
                              f"output within max_model_len {self.max_model_len}")
-        if len(ids) + 1 > self.cache.num_blocks * self.cache.block_size:
-            raise ValueError(f"request {request.request_id!r}: {len(ids)} prompt tokens can never fit the MLA "
-                             f"pool of {self.cache.num_blocks} blocks of {self.cache.block_size}")
+        longest = min(len(ids) + p.max_new_tokens, self.max_model_len)
+        if longest > self.cache.num_blocks * self.cache.block_size:
+            raise ValueError(f"request {request.request_id!r}: {len(ids)} prompt + {p.max_new_tokens} new tokens "
+                             f"can never fit the MLA pool of {self.cache.num_blocks} blocks of "
+                             f"{self.cache.block_size} tokens (num_blocks)")
         if p.n > self.scheduler.max_num_seqs:
             raise ValueError(f"request {request.request_id!r}: n = {p.n} exceeds max_num_seqs "
                              f"{self.scheduler.max_num_seqs}")
@@ -186,6 +188,7 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
+        """One scheduler step: the outputs of the requests that sampled a token (and of those aborted since)."""
         aborted = [self._output(g) for g in self.aborted]
         self.aborted.clear()
         chunks = self.scheduler.schedule()
