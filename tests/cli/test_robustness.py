@@ -18,7 +18,7 @@ from kimik3.model import K3ForConditionalGeneration
 from kimik3.tokenizer import Tokenizer
 from tests.helpers import CONFIGS, randomize
 
-POSITIONS = 40  # the text-only checkpoint's max_position_embeddings: small, so "the whole context" is quick
+POSITIONS = 96  # the text-only checkpoint's max_position_embeddings: small, so "the whole context" is quick
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +65,17 @@ def test_images_on_a_text_only_model_are_a_clear_error(text_ckpt, capsys, tmp_pa
 def test_library_bounds_prompt_plus_new_tokens_by_the_model(text_ckpt):
     model = kimik3.load(text_ckpt, dtype=torch.float32).eval()
     sp = kimik3.inference.SamplingParams
-    with pytest.raises(ValueError, match=f"5 tokens \\+ max_new_tokens 36 exceed the model's {POSITIONS} positions"):
-        kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], sp(max_new_tokens=36))
+    over = POSITIONS - 4  # 5 prompt tokens + this: one more than the model holds
+    with pytest.raises(ValueError, match=f"5 tokens \\+ max_new_tokens {over} exceed the model's {POSITIONS} "):
+        kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], sp(max_new_tokens=over))
     with pytest.raises(ValueError, match=f"max_context {POSITIONS + 1} exceeds the model's {POSITIONS} positions"):
         kimik3.inference.generate(model, [[1]], sp(max_new_tokens=1), max_context=POSITIONS + 1)
     with pytest.raises(ValueError, match=f"a prompt of {POSITIONS} tokens leaves no room"):
         kimik3.inference.generate(model, [[7] * POSITIONS], sp(max_new_tokens=1))
     with pytest.raises(ValueError, match="max_context must be an integer >= 2"):
         kimik3.inference.generate(model, [[1]], sp(max_new_tokens=1), max_context=1)
-    out = kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], sp(temperature=0, max_new_tokens=35))[0]
-    assert len(out.token_ids) == 35 or out.finish_reason == "stop"  # exactly fills the context: allowed
+    out = kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], sp(temperature=0, max_new_tokens=over - 1))[0]
+    assert len(out.token_ids) == over - 1 or out.finish_reason == "stop"  # exactly fills the context: allowed
     huge = sp(temperature=0, max_new_tokens=10**9)  # with max_context: stops there, nothing 10**9 long is allocated
     out = kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], huge, max_context=POSITIONS)[0]
     assert len(out.token_ids) <= POSITIONS - 5 and out.finish_reason in ("length", "stop")
@@ -199,7 +200,7 @@ def test_reasoning_is_styled_only_on_a_terminal(text_ckpt, capsys):
                             "--seed", "0", stream], capsys)
         assert rc == 0 and out.strip() and "\033" not in out, err
     rc, _, err = run(["generate", "--model", str(text_ckpt), "--prompt", "hi", "--chat"], capsys)
-    assert rc == 2 and "the context holds 40 (the model's max_position_embeddings): no room" in err
+    assert rc == 2 and f"the context holds {POSITIONS} (the model's max_position_embeddings): no room" in err
 
 
 def test_images_on_a_checkpoint_without_vision_tensors(capsys, tmp_path):
@@ -221,3 +222,14 @@ def test_images_on_a_checkpoint_without_vision_tensors(capsys, tmp_path):
     assert rc == 0, err
     rc, _, err = run([*base, "--prompt", "what is it?", "--image", str(img)], capsys)
     assert rc == 2 and "holds no vision tower tensors" in err, err
+
+
+def test_chat_says_when_the_conversation_fills_the_context(text_ckpt, capsys, monkeypatch):
+    too_long = "a message far too long for what is left of a context of ninety-six tokens"
+    lines = iter(["hi", too_long, "/reset", "hi", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    rc, out, err = run(["chat", "--model", str(text_ckpt), "--no-think", "--max-new-tokens", "4", "--temperature",
+                        "0"], capsys)
+    assert rc == 0, err
+    assert out.count(f"the context holds {POSITIONS} (the model's max_position_embeddings): no room") == 1
+    assert "/reset starts the conversation again" in out and "(conversation cleared)" in out

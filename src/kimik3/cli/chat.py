@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass, field
 
 from kimik3.cli.common import (
     add_model_args,
@@ -85,24 +86,29 @@ class ChatPrinter:
         return parsed
 
 
+@dataclass
+class Session:
+    """What the REPL carries between turns."""
+
+    thinking: bool
+    history: list[dict] = field(default_factory=list)  # messages; user ones keep their image files in _images
+    pending_images: list[str] = field(default_factory=list)  # attached to the next user message
+
+
 def run(args) -> int:
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    from kimik3.inference import stream
     from kimik3.vision import load_image
 
     for image in args.image:  # a missing or unreadable file fails now, not after the load
         load_image(image)
     # the vision tower when the checkpoint has one (required with --image): text-only models chat too
     model, tok, path = load_model_and_tokenizer(args, vision=True if args.image else None)
-    params = sampling_params(args)
-    window = context_window(args, model)
-    thinking, history = not args.no_think, []
+    session = Session(thinking=not args.no_think, pending_images=list(args.image))
     if args.system:
-        history.append({"role": "system", "content": args.system})
-    pending_images = list(args.image)
+        session.history.append({"role": "system", "content": args.system})
     image_help = ", /image FILE" if model.has_vision else ""
     print(f"kimik3 chat with {path} -- /reset, /think on|off{image_help}, /quit; Ctrl-C stops an answer")
     while True:
@@ -114,54 +120,71 @@ def run(args) -> int:
         except KeyboardInterrupt:
             print()
             continue
-        if not line:
-            continue
         if line.startswith("/"):
-            cmd, _, arg = line.partition(" ")
-            arg = arg.strip()
-            if cmd in ("/quit", "/exit"):
+            if command(line, session, args, model, path):
                 return 0
-            if cmd == "/reset":
-                history = history[:1] if args.system else []
-                pending_images = []
-                print("(conversation cleared)")
-            elif cmd == "/think" and arg in ("on", "off"):
-                thinking = arg == "on"
-                print(f"(thinking {arg})")
-            elif cmd == "/image" and arg and not model.has_vision:
-                print(f"error: the model at {path} reads text only (no vision tower); it cannot take images")
-            elif cmd == "/image" and arg:
-                try:
-                    load_image(arg)
-                    pending_images.append(arg)
-                    print(f"(image {arg} attached to your next message)")
-                except (ValueError, OSError) as e:
-                    print(f"error: {e}")
-            else:
-                print(f"commands: /reset, /think on|off{image_help}, /quit")
-            continue
+        elif line:
+            answer(line, session, args, model, tok)
+
+
+def command(line: str, session: Session, args, model, path) -> bool:
+    """Run one /command; True means leave."""
+    from kimik3.vision import load_image
+
+    cmd, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if cmd in ("/quit", "/exit"):
+        return True
+    if cmd == "/reset":
+        session.history = session.history[:1] if args.system else []
+        session.pending_images = []
+        print("(conversation cleared)")
+    elif cmd == "/think" and arg in ("on", "off"):
+        session.thinking = arg == "on"
+        print(f"(thinking {arg})")
+    elif cmd == "/image" and arg and not model.has_vision:
+        print(f"error: the model at {path} reads text only (no vision tower); it cannot take images")
+    elif cmd == "/image" and arg:
         try:
-            ids, images = user_turn(model, tok, history, line, pending_images, thinking=thinking)
+            load_image(arg)
+            session.pending_images.append(arg)
+            print(f"(image {arg} attached to your next message)")
         except (ValueError, OSError) as e:
             print(f"error: {e}")
-            continue
-        try:
-            check_context(args, params, len(ids), window)
-        except ValueError as e:
-            print(f"error: {e}; /reset starts the conversation again")
-            continue
-        printer = ChatPrinter(tok, thinking=thinking)
-        try:
-            for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=[tok.eos_id],
-                                 max_context=window, **images):
-                printer.feed(events[0].token_id)
-        except KeyboardInterrupt:
-            print(" (stopped)", end="")
-        except ValueError as e:
-            print(f"error: {e}")
-            continue
-        parsed = printer.finish()
-        history.append({"role": "user", "content": line, "_images": pending_images})
-        history.append({"role": "assistant", "content": parsed.content,
-                        "reasoning_content": parsed.reasoning_content})
-        pending_images = []
+    else:
+        print(f"commands: /reset, /think on|off{', /image FILE' if model.has_vision else ''}, /quit")
+    return False
+
+
+def answer(line: str, session: Session, args, model, tok) -> None:
+    """Stream the model's answer to a user message and add both to the history (Ctrl-C keeps what was said)."""
+    from kimik3.inference import stream
+
+    params = sampling_params(args)
+    window = context_window(args, model)
+    try:
+        ids, images = user_turn(model, tok, session.history, line, session.pending_images,
+                                thinking=session.thinking)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}")
+        return
+    try:
+        check_context(args, params, len(ids), window)
+    except ValueError as e:
+        print(f"error: {e}; /reset starts the conversation again")
+        return
+    printer = ChatPrinter(tok, thinking=session.thinking)
+    try:
+        for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=[tok.eos_id],
+                             max_context=window, **images):
+            printer.feed(events[0].token_id)
+    except KeyboardInterrupt:
+        print(" (stopped)", end="")
+    except ValueError as e:
+        print(f"error: {e}")
+        return
+    parsed = printer.finish()
+    session.history.append({"role": "user", "content": line, "_images": session.pending_images})
+    session.history.append({"role": "assistant", "content": parsed.content,
+                            "reasoning_content": parsed.reasoning_content})
+    session.pending_images = []
