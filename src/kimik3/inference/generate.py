@@ -120,6 +120,17 @@ def _fit_context(prompts: list[list[int]], params: list[SamplingParams], max_con
             for p, q in zip(params, prompts, strict=True)]
 
 
+def _left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Ragged prompts -> ids [B, T] (pad on the left) and the mask of real tokens [B, T], on `device`."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = True
+    return ids.to(device), mask.to(device)
+
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -165,14 +176,7 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
         bucket = next((b for b in BATCH_BUCKETS if b >= real), real)
         prompts, params = prompts + [[0]] * (bucket - real), params + [params[0]] * (bucket - real)
     B = len(prompts)
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    ids = torch.full((B, longest), pad, dtype=torch.long)
-    mask = torch.zeros(B, longest, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p):] = torch.tensor(p)
-        mask[i, longest - len(p):] = True
-    ids, mask = ids.to(device), mask.to(device)
-
+    ids, mask = _left_pad(prompts, cfg.pad_token_id if cfg.pad_token_id is not None else 0, device)
     steps = max(p.max_new_tokens for p in params)
     cache = model.new_cache(B, longest + steps)
     sampler = Sampler(params, cfg.vocab_size, device)
