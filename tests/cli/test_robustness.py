@@ -3,6 +3,7 @@ input (one line and status 2, never a traceback), styling only on a terminal, ba
 
 import base64
 import builtins
+import io
 import json
 
 import pytest
@@ -139,13 +140,15 @@ def test_generate_bad_files(text_ckpt, capsys, tmp_path):
         assert rc == 2 and all(s in err for s in messages) and "BytesIO" not in err, (args, err)
 
 
-def test_prompt_file_is_the_prompt(text_ckpt, capsys, tmp_path):
+def test_prompt_file_is_the_prompt(text_ckpt, capsys, tmp_path, monkeypatch):
     f = tmp_path / "prompt.txt"
     f.write_text("ROMEO:\nnaïve ")
     base = ["generate", "--model", str(text_ckpt), "--max-new-tokens", "4", "--temperature", "0"]
     rc, from_file, err = run([*base, "--prompt-file", str(f)], capsys)
     assert rc == 0, err
     assert run([*base, "--prompt", "ROMEO:\nnaïve "], capsys)[1] == from_file
+    monkeypatch.setattr("sys.stdin", io.StringIO("ROMEO:\nnaïve "))
+    assert run([*base, "--prompt-file", "-"], capsys)[1] == from_file
 
 
 @pytest.mark.parametrize("config", ["nowhere", "empty_folder", "bad.json"])
