@@ -196,6 +196,16 @@ def test_reasoning_is_styled_only_on_a_terminal(text_ckpt, capsys):
         out = capsys.readouterr().out
         assert "thinking..." in out.replace("\033[2m", "").replace("\033[0m", "")
         assert ("\033[" in out) == has_escape
+    # unstyled, a line break parts the reasoning from the answer
+    sp = tok.encode_special
+    ids = [*tok.encode("hmm"), sp("<|close|>"), *tok.encode("think"), sp("<|sep|>"), sp("<|open|>"),
+           *tok.encode("response"), sp("<|sep|>"), *tok.encode("The answer.")]
+    printer = ChatPrinter(tok, thinking=True, style=False)
+    for t in ids:
+        printer.feed(t)
+    parsed = printer.finish()
+    assert (parsed.reasoning_content, parsed.content) == ("hmm", "The answer.")
+    assert capsys.readouterr().out == "hmm\nThe answer.\n"
     # the CLI into a file or pipe (capsys is not a terminal): plain text, reasoning included (the bundled model:
     # the chat prompt's system message about thinking effort is longer than the tiny checkpoint's context)
     for stream in ("--stream", "--no-stream"):

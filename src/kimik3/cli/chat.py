@@ -65,13 +65,18 @@ class ChatPrinter:
 
         self.parser = ResponseParser(tok, start_in="think" if thinking else "response")
         self.dim, self.reset = (DIM, RESET) if (use_style() if style is None else style) else ("", "")
+        self.reasoned = False  # reasoning was shown and the answer has not started
 
     def feed(self, token_id: int, *, show: bool = True) -> None:
         delta = self.parser.feed([token_id])
         if show:
             if delta.reasoning_content:
                 sys.stdout.write(self.dim + delta.reasoning_content + self.reset)
+                self.reasoned = True
             if delta.content:
+                if self.reasoned and not self.dim:  # unstyled, a line break is what tells the two apart
+                    sys.stdout.write("\n")
+                self.reasoned = False
                 sys.stdout.write(delta.content)
             sys.stdout.flush()
 
