@@ -6,6 +6,8 @@ random values in every tensor (never the structured training init), so every pat
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 
@@ -24,9 +26,11 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     Matrices get half the unit-gain scale and pseudo-queries 0.1: with unit-gain random weights the
     7-layer model is so sensitive that its own fp32 forward is only ~1e-5 away from fp64, leaving no room
     for the 1e-5 fp32 comparisons; at these scales fp32 noise is ~3e-6 and every path is still exercised.
+    Each tensor draws from its own generator, seeded by `seed` and its name, so a tensor's values do not depend
+    on the shapes of the tensors before it (padding one parameter must not redraw the whole model).
     """
-    g = torch.Generator().manual_seed(seed)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if name.endswith("A_log"):
             v = torch.rand(t.shape, generator=g) * 2.0 - 1.0
         elif name.endswith("dt_bias"):

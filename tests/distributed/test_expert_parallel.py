@@ -137,7 +137,18 @@ def _gradients(rank: int, world: int, ref: K3ForCausalLM, ids: torch.Tensor) -> 
     dist.all_reduce(total)
     router = model.model.layers[1].block_sparse_moe.gate.weight.grad
     return {"loss": abs(float(total) / ref_loss - 1), "router": float(router.norm()),
-            **_compare(model, ref, lambda p: p.grad)}
+            **_compare(model, ref, lambda p: p.grad), "floor": _fp32_floor(ref, ids)}
+
+
+def _fp32_floor(ref: K3ForCausalLM, ids: torch.Tensor) -> dict:
+    """The fp32 noise floor of the gradient comparison: one process over the whole batch as ONE micro-batch vs
+    the accumulated reference. Both are exact in real arithmetic and differ only in summation order, as expert
+    parallelism does; measured here, the combined error is ~5e-7 to 7e-7, so a fixed 1e-6 bound on it would sit
+    at the floor. Expert parallelism must add no error beyond a small multiple of it."""
+    one = copy.deepcopy(ref)
+    one.zero_grad()
+    (_ce_sum(one(ids), ids) / ids[:, 1:].numel()).backward()
+    return _compare(one, ref, lambda p: p.grad)
 
 
 def _fsdp_steps(rank: int, world: int, ref: K3ForCausalLM, ids: torch.Tensor) -> dict:
@@ -223,14 +234,15 @@ def test_training_gradients_equal_one_process(ranks):
     for r in ranks:
         got = r["gradients"]
         assert got["loss"] < 1e-6 and got["router"] > 0, got
-        assert got["dense"] < 1e-5 and got["expert"] < 1e-5 and got["all"] < 1e-6, got
+        assert got["dense"] < 1e-5 and got["expert"] < 1e-5 and got["all"] < 2 * got["floor"]["all"], got
 
 
 def test_ep_with_fsdp_two_steps_equal_one_process(ranks):
     for r in ranks:
         got = r["fsdp"]
         grads = got["grads"]  # expert gradients right only with the 1/W scaling (else W times too large)
-        assert grads["dense"] < 1e-5 and grads["expert"] < 1e-5 and grads["all"] < 1e-6, got
+        floor = r["gradients"]["floor"]["all"]  # the same first-step gradients' fp32 floor (see _fp32_floor)
+        assert grads["dense"] < 1e-5 and grads["expert"] < 1e-5 and grads["all"] < 2 * floor, got
         assert got["ref_norm"] > MAX_NORM and got["norm"] < 1e-5, got  # clipping was active, on the same norm
         assert got["loss"] < 1e-6 and got["weights"]["dense"] < 1e-6 and got["weights"]["expert"] < 1e-6, got
 
