@@ -10,7 +10,9 @@ from kimik3.config import K3Config
 from kimik3.inference import SamplingParams, generate
 from kimik3.inference.engine import Engine, Request
 from kimik3.model import K3ForCausalLM
-from tests.helpers import CONFIGS, randomize, rel_err
+from tests.helpers import CONFIGS, randomize, rel_err, requires_cuda
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
 @pytest.fixture(scope="module")
