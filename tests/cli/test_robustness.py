@@ -246,3 +246,23 @@ def test_chat_says_when_the_conversation_fills_the_context(text_ckpt, capsys, mo
     assert rc == 0, err
     assert out.count(f"the context holds {POSITIONS} (the model's max_position_embeddings): no room") == 1
     assert "/reset starts the conversation again" in out and "(conversation cleared)" in out
+
+
+def test_out_of_memory_is_one_line_and_other_errors_keep_their_traceback(text_ckpt, capsys, monkeypatch):
+    import kimik3.inference as inference
+
+    def failing(message):
+        def stream(*a, **k):
+            raise RuntimeError(message)
+            yield  # a generator, like the real one
+
+        return stream
+
+    args = ["generate", "--model", str(text_ckpt), "--prompt", "x", "--max-new-tokens", "2"]
+    monkeypatch.setattr(inference, "stream", failing("DefaultCPUAllocator: can't allocate memory: you tried to "
+                                                     "allocate 192000000192 bytes"))
+    rc, _, err = run(args, capsys)
+    assert rc == 1 and err.startswith("kimik3 generate: error: out of memory") and "192000000192 bytes" in err
+    monkeypatch.setattr(inference, "stream", failing("an internal bug"))
+    with pytest.raises(RuntimeError, match="an internal bug"):
+        main(args)
