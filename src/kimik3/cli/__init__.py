@@ -42,14 +42,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kimik3 {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (MemoryError, RuntimeError) as e:
-        # torch reports a failed allocation as torch.OutOfMemoryError (CUDA) or a RuntimeError from its CPU
-        # allocator; anything else is a bug and keeps its traceback
-        if not isinstance(e, MemoryError) and type(e).__name__ != "OutOfMemoryError" \
-                and "can't allocate memory" not in str(e):
-            raise
-        print(f"kimik3 {args.command}: error: out of memory ({str(e).splitlines()[0] if str(e) else 'no details'}); "
-              "ask for fewer tokens (--max-new-tokens, --max-context), a smaller batch or dtype", file=sys.stderr)
+        if not _out_of_memory(e):
+            raise  # a bug: keep its traceback
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"kimik3 {args.command}: error: out of memory ({detail}); ask for fewer tokens (--max-new-tokens, "
+              "--max-context), a smaller batch or dtype", file=sys.stderr)
         return 1
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """torch reports a failed allocation as torch.OutOfMemoryError (CUDA) or as a RuntimeError from its CPU
+    allocator, told apart only by its message."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)
 
 
 def _quiet_stdout() -> None:
