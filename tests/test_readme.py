@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from kimik3.presets import DEMO_MODEL
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -119,7 +120,10 @@ def run(cmd: str, cwd: Path, where: str, **kw) -> str:
 
 def serve(cmd: str, cwd: Path, where: str) -> None:
     """A server line (`--serve`, `kimik3 serve`): run it until it prints its http:// address, fetch that address
-    (any HTTP answer counts: it serves), then stop it with Ctrl-C as a person would."""
+    (any HTTP answer counts: it serves), then stop it with Ctrl-C as a person would. The README's port is swapped
+    for a free one, so a busy port on the machine cannot fail the test."""
+    port = str(free_port())
+    cmd = re.sub(r"--port[ =]\d+", f"--port {port}", cmd) if "--port" in cmd else f"{cmd} --port {port}"
     proc = subprocess.Popen(cmd, shell=True, executable="/bin/bash", cwd=cwd, env=env(), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
