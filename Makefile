@@ -12,7 +12,7 @@ TOKENIZERS ?= tokenizers==0.23.3
 BIN := $(VENV)/bin
 DEMO_MODEL := src/kimik3/demo/k3-shakespeare
 
-.PHONY: setup demo test test-all demo-data clean
+.PHONY: setup demo test test-all lint demo-data clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,9 @@ demo: $(VENV)/.base
 
 test: setup
 	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
 
 test-all: setup
 	$(BIN)/python -m pytest -m 'not gpu'

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from bench.build import dense_bytes, expert_bytes, linear_flops, materialize
-from bench.common import (DEVICE, ceilings, environment, graphed, median_ms, profile_top, smoke_config, table,
-                          write_json)
+from bench.common import DEVICE, ceilings, environment, graphed, median_ms, profile_top, smoke_config, table, write_json
 from kimik3.model.cache import HybridCache
 from kimik3.model.decoder import DecoderLayer
 from kimik3.presets import load_config
+
 
 def routed_experts_touched(layer, x) -> int:
     """Distinct experts the router picks for x (the experts a decode step must stream)."""

@@ -19,6 +19,7 @@ from kimik3.model import K3ForCausalLM
 from kimik3.ops.backend import use_backend
 from kimik3.presets import load_config
 
+
 def decode_tps(model, B: int, steps: int, graph: bool, context: int, backend: str = "auto") -> float:
     """Decode tokens/s at batch B after a `context`-token prefill (always on the fast ops: the reference's fp32
     attention scores of a batch-64 prefill alone would not fit beside the weights); the steps on `backend`."""

@@ -45,9 +45,24 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch  # noqa: E402
 
 from bench.common import ceilings, profile_top, table, write_json  # noqa: E402
-from bench.train_parts import (attempt, build, correctness, counted, cpu_ceilings,  # noqa: E402
-                               describe, free, fwd_bwd, make_batch, matmul_flops, release, short, time_fwd_bwd,
-                               time_optimizer, truth_check, TRUTH_FLOOR)
+from bench.train_parts import (  # noqa: E402
+    TRUTH_FLOOR,
+    attempt,
+    build,
+    correctness,
+    counted,
+    cpu_ceilings,
+    describe,
+    free,
+    fwd_bwd,
+    make_batch,
+    matmul_flops,
+    release,
+    short,
+    time_fwd_bwd,
+    time_optimizer,
+    truth_check,
+)
 from kimik3.model import K3ForCausalLM  # noqa: E402
 from kimik3.presets import load_config  # noqa: E402
 

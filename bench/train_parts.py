@@ -4,7 +4,6 @@ the fast-vs-reference check and the optimizer-phase timing (see bench_train.py f
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import datetime
 import gc

@@ -149,7 +149,8 @@ def case(hooks):
             if same(ei, gi) and not same(eo, go) and shown < 12:
                 shown += 1
                 diffs = [(x.float() - y.float()).abs().max().item() for x, y in zip(eo, go)]
-                print(f"   inputs equal, outputs differ: {n} {type(model.get_submodule('' if n == 'root' else n)).__name__}"
+                kind = type(model.get_submodule("" if n == "root" else n)).__name__
+                print(f"   inputs equal, outputs differ: {n} {kind}"
                       f" in {[tuple(t.shape) for t in ei]} max|diff| {diffs}")
                 if first is None:
                     first = n

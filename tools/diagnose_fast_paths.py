@@ -19,9 +19,9 @@ import torch
 from kimik3.config import K3Config
 from kimik3.model import K3ForCausalLM
 from kimik3.model.moe import Router
-from kimik3.ops.kda import chunk_kda_with_gate
 from kimik3.ops import backend
 from kimik3.ops.backend import use_backend
+from kimik3.ops.kda import chunk_kda_with_gate
 from kimik3.testing import randomize, rel_err, triton_first_config
 
 OPS = ("kda", "mla", "attnres", "moe")
@@ -82,7 +82,8 @@ def main(kda_only: bool = False) -> None:
             report(f"{op} {str(dtype)[6:]}", out, ref, routes, ref_routes)
         only(None)
     # the KDA op alone, fla vs reference: forward, final state and every gradient, over head counts and dims;
-    # first the shape of tests/ops/test_kda_fast.py::test_chunk_kda_gradients (bf16, B=1, T=130, H=2, K=128, initial state)
+    # first the shape of tests/ops/test_kda_fast.py::test_chunk_kda_gradients
+    # (bf16, B=1, T=130, H=2, K=128, initial state)
     only("kda")
     bf, f32 = torch.bfloat16, torch.float32
     for dtype, B, T, H, K, h0, dht in (

@@ -242,7 +242,10 @@ def test_shapes_match_forward_hooks(tiny_atlas):
     assert set(seen) == set(mods)
     for k, (args, out) in seen.items():
         shapes = tiny_atlas["nodes"][k]["shapes"]
-        size = lambda axes: [free[a] if s is None else s for a, s in axes]
+
+        def size(axes):
+            return [free[a] if s is None else s for a, s in axes]
+
         want_in = size(next(s for s in shapes if s["role"] == "in")["axes"])
         # one "out" entry may name several outputs of one shape ("idx, w")
         want_out = [size(s["axes"]) for s in shapes if s["role"] == "out" for _ in s["name"].split(", ")]
@@ -274,7 +277,10 @@ def test_k3_shapes_on_the_meta_device(k3_atlas):
             out = mod(inp)
             outs = out if isinstance(out, tuple) else (out,)
             shapes = k3_atlas["nodes"][k]["shapes"]
-            size = lambda axes: [free[a] if s is None else s for a, s in axes]
+
+            def size(axes):
+                return [free[a] if s is None else s for a, s in axes]
+
             assert list(inp.shape) == size(next(s for s in shapes if s["role"] == "in")["axes"]), k
             want = [size(s["axes"]) for s in shapes if s["role"] == "out" for _ in s["name"].split(", ")]
             assert [list(o.shape) for o in outs] == want, (k, [o.shape for o in outs], want)

@@ -184,8 +184,10 @@ def test_edge_label_opens_the_tensor_page(browser, sites):
 def test_url_keeps_the_selection(browser, sites):
     root, _ = sites
     open_page(browser, (root / "k3" / "index.html").as_uri() + "#sel=mla")
-    selected = lambda: [g.get_attribute("data-id") for g in
-                        browser.find_elements("css selector", "#diagram .node.sel")]
+
+    def selected():
+        return [g.get_attribute("data-id") for g in browser.find_elements("css selector", "#diagram .node.sel")]
+
     assert selected() == ["mla"] and browser.find_element("id", "p-mla").is_displayed()
     browser.find_element("css selector", '#diagram .node[data-id="router"]').click()
     assert selected() == ["router"] and browser.current_url.endswith("#sel=router")

@@ -19,8 +19,14 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from kimik3.config import K3Config, TextConfig
-from kimik3.distributed.tensor_parallel import (apply_tensor_parallel, load_tensor_parallel, rank_config,
-                                               shard_for_rank, shard_tensor, tensor_block)
+from kimik3.distributed.tensor_parallel import (
+    apply_tensor_parallel,
+    load_tensor_parallel,
+    rank_config,
+    shard_for_rank,
+    shard_tensor,
+    tensor_block,
+)
 from kimik3.model import K3ForCausalLM
 from kimik3.model.cache import KDAState
 from tests.helpers import CONFIGS, free_port, randomize, rel_err, spying_safe_open

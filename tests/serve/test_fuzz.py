@@ -12,8 +12,9 @@ from kimik3.serve import Server, ServerConfig
 from tests.serve.conftest import running
 from tests.serve.scripted import ScriptedEngine
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
-                    | st.text(max_size=12),
+SCALARS = (st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
+           | st.text(max_size=12))
+JSON = st.recursive(SCALARS,
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                  max_size=4), max_leaves=12)
 FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n",

@@ -12,7 +12,8 @@ from tests.helpers import REPO
 
 
 def test_load_at_concurrency_1_2_4_8_has_no_failures(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path), "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path),
+           "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
     proc = subprocess.run([sys.executable, "bench/bench_serve.py", "--smoke"], cwd=REPO, env=env, check=False,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

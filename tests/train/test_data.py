@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from kimik3.model import K3ForCausalLM
-from kimik3.train.data import (IGNORE_INDEX, RowSampler, TokenStream, eval_batches, open_stream, pack_rows,
-                               prepare_shards, step_batches)
+from kimik3.train.data import (
+    IGNORE_INDEX,
+    RowSampler,
+    TokenStream,
+    eval_batches,
+    open_stream,
+    pack_rows,
+    prepare_shards,
+    step_batches,
+)
 from kimik3.train.loss import CausalLMLoss
 from tests.helpers import randomize
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from PIL import Image
 
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.vision import encode_images
 from kimik3.vision import expand_media_pads, process_images
-from PIL import Image
 from tests.helpers import randomize, rel_err
 
 

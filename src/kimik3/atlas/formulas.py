@@ -96,7 +96,10 @@ def shapes(cfg: K3Config) -> dict[str, list[Shape]]:
     D, kd, ml, mo = t.hidden_size, t.kda, t.mla, t.moe
     B, T, N = ("B", None), ("T", None), ("N", None)
     d = ("D", D)
-    bt = lambda name, role: _shape(name, role, B, T, d)
+
+    def bt(name, role):
+        return _shape(name, role, B, T, d)
+
     out = {
         "embed": [_shape("ids", "in", B, T), bt("h", "out")],
         "attn_mix": [_shape("b", "in", ("M", None), B, T, d), bt("s", "in"), bt("a", "out")],

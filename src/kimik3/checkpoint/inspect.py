@@ -12,8 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimik3.checkpoint.folder import gc_paused, locate, scan
-from kimik3.checkpoint.inventory import (Mismatch, a_log_heads, compare, difference_lines, expected_specs,
-                                       has_vision_tensors, padding_note)
+from kimik3.checkpoint.inventory import (
+    Mismatch,
+    a_log_heads,
+    compare,
+    difference_lines,
+    expected_specs,
+    has_vision_tensors,
+    padding_note,
+)
 from kimik3.checkpoint.safetensors_header import NAMES, TensorEntry
 from kimik3.config import ExpertFormat, K3Config
 

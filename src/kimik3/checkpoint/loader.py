@@ -32,8 +32,16 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from kimik3.checkpoint.folder import LOADED_FROM, Folder, Scan, gc_paused, locate, missing_shards_error, scan
-from kimik3.checkpoint.inventory import (a_log_heads, compare, expected_specs, has_vision_tensors, mismatch_error,
-                                       parse_dtype, stored_dtype, without_vision)
+from kimik3.checkpoint.inventory import (
+    a_log_heads,
+    compare,
+    expected_specs,
+    has_vision_tensors,
+    mismatch_error,
+    parse_dtype,
+    stored_dtype,
+    without_vision,
+)
 from kimik3.checkpoint.keys import is_vision_key, parse_expert_key
 from kimik3.checkpoint.progress import progress_bar, wanted
 from kimik3.checkpoint.safetensors_header import TensorEntry

@@ -19,8 +19,7 @@ def progress_bar(description: str, total_bytes: int, total_tensors: int, enabled
         yield lambda nbytes: None
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                TextColumn("{task.fields[tensors]:,}/{task.fields[total_tensors]:,} tensors"),

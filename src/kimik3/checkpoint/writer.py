@@ -27,11 +27,18 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from kimik3.checkpoint.folder import (CONFIG, GENERATION_CONFIG, INDEX, LOADED_FROM, companion_files,
-                                      copy_durably, is_checkpoint_file, publish_atomically)
+from kimik3.checkpoint.folder import (
+    CONFIG,
+    GENERATION_CONFIG,
+    INDEX,
+    LOADED_FROM,
+    companion_files,
+    copy_durably,
+    is_checkpoint_file,
+    publish_atomically,
+)
 from kimik3.checkpoint.inventory import model_specs, parse_dtype, stored_dtype
-from kimik3.checkpoint.keys import (RELEASED_QUANTIZATION, TensorSpec, checkpoint_prefix, is_vision_key,
-                                    parse_expert_key)
+from kimik3.checkpoint.keys import RELEASED_QUANTIZATION, TensorSpec, checkpoint_prefix, is_vision_key, parse_expert_key
 from kimik3.checkpoint.progress import progress_bar, wanted
 from kimik3.checkpoint.safetensors_header import encode_header
 from kimik3.config import EXPERT_FORMATS, ExpertFormat, K3Config

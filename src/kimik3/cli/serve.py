@@ -40,7 +40,8 @@ def _generation_defaults(path) -> dict:
 
 
 def build_engine(args, path):
-    """(engine, tokenizer, model vocabulary width) for `args` (also used by bench/bench_serve.py through the same flags)."""
+    """(engine, tokenizer, model vocabulary width) for `args` (bench/bench_serve.py builds through the same
+    flags)."""
     import torch
 
     import kimik3

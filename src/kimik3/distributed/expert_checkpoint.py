@@ -46,7 +46,7 @@ def shard_expert_optimizer_state(model: nn.Module, full: dict) -> dict:
     """A full optimizer state dict ({"state": {name: {...}}, "param_groups": [...]}) with each sharded expert's
     entries cut to this rank's rows: what `set_optimizer_state_dict` expects for parameters FSDP ignores."""
     state = dict(full["state"])
-    for name, (p, shard) in sharded_experts(model).items():
+    for name, (_, shard) in sharded_experts(model).items():
         if name in state:
             state[name] = {k: v[shard.start:shard.stop].clone()
                            if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == shard.num_experts else v

@@ -17,8 +17,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kimik3.distributed.expert_parallel import (apply_expert_parallel, expert_group_size, expert_parameters,
-                                                scale_expert_gradients)
+from kimik3.distributed.expert_parallel import (
+    apply_expert_parallel,
+    expert_group_size,
+    expert_parameters,
+    scale_expert_gradients,
+)
 from kimik3.model.decoder import DecoderLayer
 
 

@@ -134,7 +134,8 @@ def sampling_kwargs(s: Sampling, max_tokens: int, *, logprobs: int | None, promp
 class ChatPlan:
     messages: list[dict]
     sampling: Sampling
-    encode_kwargs: dict[str, Any]  # encode_chat keywords: tools, thinking, thinking_effort, tool_choice, response_format
+    # encode_chat keywords: tools, thinking, thinking_effort, tool_choice, response_format
+    encode_kwargs: dict[str, Any]
     thinking: bool
     tools_declared: bool
     logprobs: int | None

@@ -143,8 +143,11 @@ class Trainer:
         if self.env.world_size == 1:
             model_to_save, optim_state = self.lm, ckpt.named_optimizer_state(self.model, self.optim.optimizers)
         else:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                                 get_optimizer_state_dict)
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
             full = get_model_state_dict(self.model, options=opts)
             optim_state = get_optimizer_state_dict(self.model, self.optim.optimizers, options=opts)
