@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from kimik3.cli import atlas, chat, convert, generate, inspect, memory, params, serve, train
 
@@ -29,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _warning_printer(args.command)
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         return args.run(args) or 0
     except KeyboardInterrupt:
@@ -48,6 +55,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kimik3 {args.command}: error: out of memory ({detail}); ask for fewer tokens (--max-new-tokens, "
               "--max-context), a smaller batch or dtype", file=sys.stderr)
         return 1
+
+
+def _warning_printer(command: str):
+    """Warnings as one line each (`kimik3 CMD: warning: ...`), each text once: Python's default shows the
+    warning's source line, and repeats a text raised from two places (config.json is read by the CLI and again
+    by the loader)."""
+    seen = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if (category, text) in seen:
+            return
+        seen.add((category, text))
+        label = "warning" if category is UserWarning else category.__name__
+        print(f"kimik3 {command}: {label}: {text}", file=file or sys.stderr)
+
+    return show
 
 
 def _out_of_memory(e: BaseException) -> bool:
