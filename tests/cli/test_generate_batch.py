@@ -47,3 +47,18 @@ def test_batch_file_errors_name_the_line(tmp_path, capsys):
     assert "unknown keys ['colour']" in capsys.readouterr().err
     assert main(["generate", "--input", str(src)]) == 2
     assert "--output" in capsys.readouterr().err
+
+
+def test_batch_file_bad_prompts_name_the_line(tmp_path, capsys):
+    """A wrong prompt field is one line naming the file and line, never a traceback or an internal request id."""
+    src = tmp_path / "in.jsonl"
+    cases = [('{"prompt": 5}', "prompt must be a non-empty string"), ('{"prompt": ""}', "prompt must be"),
+             ('{"prompt_ids": "abc"}', "prompt_ids must be a non-empty list"), ('{"prompt_ids": []}', "prompt_ids"),
+             ('{"prompt_ids": [1, true]}', "prompt_ids"), ('{"messages": "hi"}', "messages must be a non-empty list"),
+             ('{"prompt_ids": [99999999]}', "outside the model's vocabulary [0, 8704): [99999999]"),
+             ('{"messages": [{"role": "robot", "content": "x"}]}', "role")]
+    for line, message in cases:
+        src.write_text('{"prompt": "a"}\n' + line + "\n")
+        assert main(["generate", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2, line
+        err = capsys.readouterr().err
+        assert f"--input {src} line 2: " in err and message in err and "generate-" not in err, (line, err)

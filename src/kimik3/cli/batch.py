@@ -26,8 +26,8 @@ def add_args(parser, source_group) -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=1024, help="batch mode: tokens per engine step")
 
 
-def read_requests(path: Path, base) -> list[tuple[str, dict, object]]:
-    """(id, the line's request object, its SamplingParams) per non-empty line; errors name the line."""
+def read_requests(path: Path, base) -> list[tuple[str, dict, object, int]]:
+    """(id, the line's request object, its SamplingParams, line number) per non-empty line; errors name the line."""
     from kimik3.inference import SamplingParams
 
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -47,15 +47,42 @@ def read_requests(path: Path, base) -> list[tuple[str, dict, object]]:
         unknown = set(obj) - fields - {"id", "prompt", "messages", "prompt_ids", "thinking"}
         if unknown:
             raise ValueError(f"--input {path} line {no}: unknown keys {sorted(unknown)}")
+        bad = _bad_prompt(obj)
+        if bad:
+            raise ValueError(f"--input {path} line {no}: {bad}")
         over = {k: tuple(v) if isinstance(v, list) else v for k, v in obj.items() if k in fields}
         try:
             params = dataclasses.replace(base, **over)
         except (ValueError, TypeError) as e:
             raise ValueError(f"--input {path} line {no}: {e}") from None
-        out.append((str(obj.get("id", no)), obj, params))
+        out.append((str(obj.get("id", no)), obj, params, no))
     if not out:
         raise ValueError(f"--input {path}: no requests")
     return out
+
+
+def _bad_prompt(obj: dict) -> str | None:
+    """What is wrong with a line's prompt field (its type; ids and chat roles are checked once encoded)."""
+    if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"]):
+        return f"prompt must be a non-empty string, got {obj['prompt']!r}"
+    ids = obj.get("prompt_ids", [0])
+    if not (isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids)):
+        return f"prompt_ids must be a non-empty list of token ids (integers >= 0), got {ids!r}"[:200]
+    if "messages" in obj and not (isinstance(obj["messages"], list) and obj["messages"]):
+        return f"messages must be a non-empty list of message objects, got {obj['messages']!r}"[:200]
+    return None
+
+
+def encode_line(tok, obj: dict, vocab_size: int, where: str) -> list[int]:
+    """The line's prompt ids; an error names the line (`where`)."""
+    try:
+        ids = encode(tok, obj)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    outside = sorted({t for t in ids if t >= vocab_size})
+    if outside:
+        raise ValueError(f"{where}: prompt ids outside the model's vocabulary [0, {vocab_size}): {outside[:8]}")
+    return ids
 
 
 def encode(tok, obj: dict) -> list[int]:
@@ -78,17 +105,18 @@ def run(args) -> int:
     requests = read_requests(Path(args.input), base)
     model, tok, _ = load_model_and_tokenizer(args, vision=False)
     ends = sorted({tok.eos_id, model.config.eos_token_id} - {None})
-    prompts = [encode(tok, obj) for _, obj, _ in requests]
+    prompts = [encode_line(tok, obj, model.config.text.vocab_size, f"--input {args.input} line {no}")
+               for _, obj, _, no in requests]
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                     max_model_len=context_window(args, model), eos_token_ids=ends, tokenizer=tok,
                     model_id=str(model_path(args)))
     bar = _bar(len(prompts))
     try:
-        outs = engine.generate(prompts, [p for _, _, p in requests], progress=bar.update)
+        outs = engine.generate(prompts, [p for _, _, p, _ in requests], progress=bar.update)
     finally:
         bar.close()
     with open(args.output, "w", encoding="utf-8") as f:
-        for (rid, _, _), out in zip(requests, outs):
+        for (rid, _, _, _), out in zip(requests, outs):
             f.write(json.dumps(result(rid, out, tok), ensure_ascii=False) + "\n")
     s = engine.stats
     print(f"{len(outs)} requests, {s['prompt_tokens_total']} prompt tokens ({s['prefix_hit_tokens']} from the prefix "
