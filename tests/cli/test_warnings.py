@@ -22,5 +22,6 @@ def test_a_misspelt_config_key_is_one_warning_line(tmp_path, capsys):
     assert rc == 0, err
     lines = [ln for ln in err.splitlines() if "num_hiden_layers" in ln]
     assert len(lines) == 1, err
-    assert lines[0].startswith("kimik3 generate: warning: ") and "did you mean 'text_config.num_hidden_layers'" in lines[0]
+    assert lines[0].startswith("kimik3 generate: warning: ")
+    assert "did you mean 'text_config.num_hidden_layers'" in lines[0]
     assert "UserWarning" not in err and "K3Config.from_file" not in err and ".py:" not in err

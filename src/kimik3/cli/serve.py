@@ -59,6 +59,22 @@ def build_engine(args, path):
     return engine, tokenizer, model.config.text.vocab_size
 
 
+def _check_address(host: str, port: int) -> None:
+    """Refuse an address we cannot listen on before loading: uvicorn would exit mid-load (its SystemExit racing
+    the loading thread) with a traceback for a bad port, or a log line and status 3 for a port in use."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: must be in 0..65535")
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a listener still conflicts
+            s.bind(addr)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host") from None
+
+
 def run(args) -> int:
     try:
         import uvicorn
@@ -69,6 +85,7 @@ def run(args) -> int:
     from kimik3.cli.common import model_path
 
     path = model_path(args)
+    _check_address(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = Server(ServerConfig(model_name=args.served_model_name or path.name, api_key=args.api_key,
                                  max_pending=args.max_pending, defaults=_generation_defaults(path)))
