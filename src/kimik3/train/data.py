@@ -225,11 +225,16 @@ def open_stream(patterns: Sequence[str], key: str, tokenizer: str | None = None,
 def prepare_shards(files: Sequence[str], tokenizer: str, out_dir: str | Path, shard_tokens: int = 1 << 28,
                    eos_id: int | None = None) -> Path:
     """Tokenize text files into a shard folder (`tokens-NNNNN.bin` uint32 + meta.json). Returns the folder."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():  # before the tokenizing, which can take long
+        raise ValueError(f"--prepare {out}: is a file; name a new folder (or an existing shard folder)")
     tok = load_tokenizer(tokenizer, "--tokenizer")
     eos = tok.encode_special("[EOS]") if eos_id is None else eos_id
     ids, mask = tokenize_files(_expand(files, "prepare"), tok, eos)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--prepare {out}: cannot create the folder ({e.strerror or e})") from None
     names, mask_names = [], []
     for i, start in enumerate(range(0, max(len(ids), 1), shard_tokens)):
         names.append(f"tokens-{i:05d}.bin")
