@@ -9,7 +9,11 @@ import torch
 
 from kimik3.config import K3Config
 from kimik3.testing import triton_first_config
-from tests.helpers import CONFIGS, spying_safe_open
+from tests.helpers import CONFIGS, interpret_triton, spying_safe_open
+
+# on a machine without CUDA the fused Triton kernels' tests run under Triton's interpreter, which must be switched
+# on before anything imports triton: here, before any test module is collected
+interpret_triton()
 
 # fla's Triton kernels leave `tl.dot`'s precision to Triton, which runs fp32 operands as TF32 on Hopper: measured
 # on the H200, fla's fp32 KDA is 1.1e-3 to 1.8e-3 (relative) from the fp32 reference in outputs, states and

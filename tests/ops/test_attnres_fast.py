@@ -9,8 +9,6 @@ the measured errors.
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ import torch
 
 from kimik3.ops.attnres import attn_res_mix, reference
 from kimik3.ops.backend import use_backend
-from tests.helpers import rel_err
+from tests.helpers import interpret_triton, rel_err
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 EPS = 1e-5
@@ -58,11 +56,8 @@ def _errors(got, want):
     return [rel_err(a, b) for a, b in zip(got, want)]
 
 
-# Triton reads TRITON_INTERPRET when it is first imported and when each `@triton.jit` runs, so on a machine
-# without CUDA the interpreter is switched on here, at collection, before anything imports triton.
-INTERPRET = HAS_TRITON and not torch.cuda.is_available() and "triton" not in sys.modules
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
+# without CUDA, tests/conftest.py switched Triton's interpreter on before anything imported triton
+INTERPRET = not torch.cuda.is_available() and interpret_triton()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ triton is installed, else skipped. GPU (`-m gpu`): both paths at K3's latent dim
 """
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -15,20 +14,17 @@ from kimik3.ops import moe
 from kimik3.ops.backend import use_backend
 from kimik3.ops.moe import grouped, reference
 from kimik3.ops.mxfp4 import decode, encode
+from tests.helpers import interpret_triton, rel_err
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+    assert interpret_triton(), "Triton's interpreter must be on before triton is imported (tests/conftest.py)"
 
 BETA, LINEAR_BETA = 4.0, 25.0
 K3_DIMS = dict(E=32, L=3584, F=3072)  # latent width and expert width of K3, fewer experts
 TINY_DIMS = dict(E=24, L=96, F=160)
 
 
-def rel_err(a, b):
-    """||a - b|| / ||b|| in fp64; NaN if a is not finite, so it never passes a bound."""
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item() if torch.isfinite(a).all() else float("nan")
 
 
 def routing(N, A, E, gen, device="cpu", empty=(1,)):

@@ -5,7 +5,6 @@ installed, else skipped. GPU (`-m gpu`): the CUDA kernels, and the public op's d
 """
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -13,11 +12,11 @@ import torch
 from kimik3.ops import situ
 from kimik3.ops.backend import use_backend
 from kimik3.ops.situ import reference
-from tests.helpers import rel_err
+from tests.helpers import interpret_triton, rel_err
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+    assert interpret_triton(), "Triton's interpreter must be on before triton is imported (tests/conftest.py)"
 
 BETA, LINEAR_BETA = 4.0, 25.0
 needs_interpreter = pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
