@@ -1,10 +1,16 @@
-"""`kimik3 serve` refuses an address it cannot listen on before loading anything: one line, status 2."""
+"""`kimik3 serve` refuses an address it cannot listen on before loading anything (one line, status 2), and
+leaves quietly on Ctrl-C at any moment."""
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 
 from kimik3.cli import main
+from tests.helpers import free_port
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
@@ -24,3 +30,21 @@ def test_a_port_in_use_is_one_line(capsys):
 def test_a_port_out_of_range_is_one_line(port, capsys):
     assert main(["serve", "--port", port]) == 2
     assert f"--port {port}: must be in 0..65535" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_model_loads_exits_130_quietly():
+    """Ctrl-C as soon as the socket is up (the model still loading in its thread, or just loaded): uvicorn shuts
+    down and re-raises the interrupt; the process leaves with 130, no traceback, no C++ abort from a loader thread
+    caught inside torch by interpreter finalization."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kimik3", "serve", "--port", str(free_port())], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Uvicorn running" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "terminate called" not in out, out

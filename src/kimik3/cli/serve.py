@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 
@@ -86,7 +87,9 @@ def run(args) -> int:
 
     path = model_path(args)
     _check_address(args.host, args.port)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # our own loggers at the asked level; torch's and other libraries' stay at warnings
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kimik3").setLevel(args.log_level.upper())
     server = Server(ServerConfig(model_name=args.served_model_name or path.name, api_key=args.api_key,
                                  max_pending=args.max_pending, defaults=_generation_defaults(path)))
     app = build_app(server)
@@ -104,9 +107,22 @@ def run(args) -> int:
             uv.should_exit = True
 
     uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    threading.Thread(target=load, name="kimik3-load", daemon=True).start()
-    uv.run()
+    loader = threading.Thread(target=load, name="kimik3-load", daemon=True)
+    loader.start()
+    try:
+        uv.run()
+        code = 0
+    except SystemExit as e:  # uvicorn exits when it cannot start (a bind that failed after our check)
+        code = e.code if isinstance(e.code, int) and e.code else 1
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+        code = 130
     if failed:
         print(f"kimik3 serve: error: {failed[0]}", file=sys.stderr)
         return 1
-    return 0
+    if loader.is_alive():
+        # stopped while the model was still loading: the loader is inside torch, and finalizing the interpreter
+        # under it aborts the process ("terminate called without an active exception"); leave without finalizing
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
