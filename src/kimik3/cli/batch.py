@@ -96,7 +96,7 @@ def encode(tok, obj: dict) -> list[int]:
 
 
 def run(args) -> int:
-    from kimik3.cli.common import context_window, load_model_and_tokenizer, model_path, sampling_params
+    from kimik3.cli.common import context_window, end_ids, load_model_and_tokenizer, model_path, sampling_params
     from kimik3.inference.engine import Engine
 
     if not args.output:
@@ -104,7 +104,7 @@ def run(args) -> int:
     base = sampling_params(args)
     requests = read_requests(Path(args.input), base)
     model, tok, _ = load_model_and_tokenizer(args, vision=False)
-    ends = sorted({tok.eos_id, model.config.eos_token_id} - {None})
+    ends = end_ids(model, tok)
     prompts = [encode_line(tok, obj, model.config.text.vocab_size, f"--input {args.input} line {no}")
                for _, obj, _, no in requests]
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,

@@ -15,6 +15,7 @@ from kimik3.cli.common import (
     add_sampling_args,
     check_context,
     context_window,
+    end_ids,
     load_model_and_tokenizer,
     sampling_params,
 )
@@ -180,7 +181,7 @@ def answer(line: str, session: Session, args, model, tok) -> None:
         return
     printer = ChatPrinter(tok, thinking=session.thinking)
     try:
-        for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=[tok.eos_id],
+        for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=end_ids(model, tok),
                              max_context=window, **images):
             printer.feed(events[0].token_id)
     except KeyboardInterrupt:

@@ -115,6 +115,12 @@ def model_text_config(model):
     return model.config.text if hasattr(model.config, "text") else model.config
 
 
+def end_ids(model, tok) -> list[int]:
+    """The ids a reply ends on: the turn's end (<|end_of_msg|>) and the model's end of text (config.eos_token_id:
+    [EOS] for a model trained on documents, such as the demo model)."""
+    return sorted({tok.eos_id, getattr(model.config, "eos_token_id", None)} - {None})
+
+
 def check_context(args, params, prompt_tokens: int, window: int | None) -> None:
     """A prompt that fills the context is an error; an answer that will stop at the context's end rather than
     at max_new_tokens gets a note on stderr."""

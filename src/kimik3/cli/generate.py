@@ -13,6 +13,7 @@ from kimik3.cli.common import (
     add_sampling_args,
     check_context,
     context_window,
+    end_ids,
     load_model_and_tokenizer,
     sampling_params,
 )
@@ -88,9 +89,7 @@ def run(args) -> int:
         import torch.distributed as dist
 
         sync = lambda tokens: dist.broadcast(tokens, 0)  # noqa: E731
-    # the turn's end (<|end_of_msg|>) and the model's end of text (config.eos_token_id: [EOS] for a model trained
-    # on documents, such as the demo model)
-    ends = sorted({tok.eos_id, model.config.eos_token_id} - {None})
+    ends = end_ids(model, tok)
     for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=ends,
                          max_context=window, sync_tokens=sync, **images):
         event = events[0]

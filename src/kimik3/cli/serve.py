@@ -46,6 +46,7 @@ def build_engine(args, path):
     import torch
 
     import kimik3
+    from kimik3.cli.common import end_ids
     from kimik3.inference.engine import Engine
     from kimik3.tokenizer import Tokenizer
 
@@ -55,7 +56,7 @@ def build_engine(args, path):
     model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True).eval()
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, prefix_cache_bytes=args.prefix_cache_bytes,
-                    enable_prefix_cache=not args.no_prefix_cache, eos_token_ids=(tokenizer.eos_id,),
+                    enable_prefix_cache=not args.no_prefix_cache, eos_token_ids=end_ids(model, tokenizer),
                     model_id=str(path), tokenizer=tokenizer)
     return engine, tokenizer, model.config.text.vocab_size
 
