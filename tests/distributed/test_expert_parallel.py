@@ -182,8 +182,8 @@ def _fsdp_steps(rank: int, world: int, ref: K3ForCausalLM, ids: torch.Tensor) ->
 def _sharded_load(rank: int, world: int, ckpt: str, ids: torch.Tensor) -> dict:
     rows = _rows(rank, world)
     with torch.no_grad():
-        want = load(ckpt, dtype=torch.float32, experts="mxfp4").language_model(ids)[rows]
-        model = ep.load_expert_parallel(ckpt, dtype=torch.float32, experts="mxfp4").language_model
+        want = load(ckpt, dtype=torch.float32, keep_experts_packed=True).language_model(ids)[rows]
+        model = ep.load_expert_parallel(ckpt, dtype=torch.float32, keep_experts_packed=True).language_model
         held = model.model.layers[1].block_sparse_moe.experts.w1_packed.shape[0]
         return {"rel": _rel(model(ids[rows]), want), "experts": held}
 
@@ -252,14 +252,14 @@ def test_sharded_load_runs_expert_parallel(ranks):
         assert r["load"]["rel"] < 1e-6 and r["load"]["experts"] == _cfg().text.moe.num_experts // len(ranks), r
 
 
-@pytest.mark.parametrize("experts", ["mxfp4", "dequantize"])
-def test_each_rank_reads_only_its_experts(checkpoint, tensors_read, experts):
-    full = load(checkpoint, dtype=torch.float32, experts=experts).state_dict()
+@pytest.mark.parametrize("packed", [True, False], ids=["mxfp4", "dequantized"])
+def test_each_rank_reads_only_its_experts(checkpoint, tensors_read, packed):
+    full = load(checkpoint, dtype=torch.float32, keep_experts_packed=packed).state_dict()
     read = tensors_read
     world, E = 4, _cfg().text.moe.num_experts
     for rank in range(world):
         read.clear()
-        model = load(checkpoint, dtype=torch.float32, experts=experts, expert_shard=(rank, world))
+        model = load(checkpoint, dtype=torch.float32, keep_experts_packed=packed, expert_shard=(rank, world))
         keys = [parse_expert_key(n) for n in read]
         assert {k.expert for k in keys if k is not None} == set(range(rank * E // world, (rank + 1) * E // world))
         assert None in keys  # and the replicated tensors

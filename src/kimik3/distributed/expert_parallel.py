@@ -195,7 +195,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> float:
 def load_expert_parallel(path: str | Path, group=None, **load_kwargs) -> nn.Module:
     """`kimik3.checkpoint.load` reading only this rank's experts, then `apply_expert_parallel` (ready to run).
 
-    `load_kwargs` are `load`'s (dtype, device, text_only, experts, quiet).
+    `load_kwargs` are `load`'s (dtype, device, text_only, keep_experts_packed, quiet).
     """
     shard = group_rank(group, "load_expert_parallel")
     return apply_expert_parallel(load(path, expert_shard=shard, **load_kwargs), group)

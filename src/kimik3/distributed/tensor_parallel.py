@@ -246,8 +246,8 @@ def load_tensor_parallel(path: str | Path, group: dist.ProcessGroup | None = Non
 
     The model is sharded on the meta device and every split tensor is read as this rank's block through
     safetensors' slices (rows, or columns for the row-parallel o_proj / down_proj), so a rank reads the
-    replicated tensors plus 1/W of the split ones. `load_kwargs`: `load`'s (dtype, device, text_only, experts,
-    quiet).
+    replicated tensors plus 1/W of the split ones. `load_kwargs`: `load`'s (dtype, device, text_only,
+    keep_experts_packed, quiet).
     """
     rank, world = group_rank(group, "load_tensor_parallel")
     full: list[TextConfig] = []
