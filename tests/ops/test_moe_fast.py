@@ -53,7 +53,6 @@ def poison_allocator(device, nbytes):
     torch.cuda.synchronize()
 
 
-# ---------------------------------------------------------------------------------------- grouped, CPU
 
 @pytest.mark.parametrize("N,A", [(1, 2), (9, 3), (40, 4)])
 def test_grouped_matches_reference_cpu(N, A):
@@ -90,7 +89,6 @@ def test_dispatch_cpu_is_reference():
     assert torch.equal(out, ref)
 
 
-# ---------------------------------------------------------------------------- triton, interpreter (CPU)
 
 needs_interpreter = pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
                                        reason="needs triton (CPU: run under Triton's interpreter)")
@@ -157,7 +155,6 @@ def test_route_orders_rows_and_tiles_cover_each_once():
         assert (seen == 1).all()
 
 
-# ------------------------------------------------------------------------------------------------ GPU
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

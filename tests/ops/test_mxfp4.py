@@ -67,7 +67,6 @@ def _pack_codes(code: torch.Tensor) -> torch.Tensor:
     return code[..., 0::2] | (code[..., 1::2] << 4)
 
 
-# ---------------------------------------------------------------- decode
 
 
 def test_layout_by_hand():
@@ -113,7 +112,6 @@ def test_decode_matches_formula_in_float64():
     assert torch.equal(torch.signbit(got), torch.signbit(expect.float()))  # code 8 is -0.0
 
 
-# ---------------------------------------------------------------- encode
 
 
 def _codes_with_max(gen, shape_OI, max_mag: torch.Tensor) -> torch.Tensor:
@@ -200,7 +198,6 @@ def test_encode_accepts_bf16_and_fp16():
     assert all(torch.equal(a, b) for a, b in zip(encode(w.half()), ref16))
 
 
-# ---------------------------------------------------------------- errors and shapes
 
 
 def test_packed_shapes():

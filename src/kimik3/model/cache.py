@@ -110,7 +110,6 @@ class HybridCache:
         return out
 
 
-# ---- the serving engine's cache: per-sequence KDA slots and a paged MLA latent pool -------------------------
 # Legend (besides the above): N sequences in a step, Ns KDA slots, Nb MLA blocks of Bs tokens, Tq the longest
 # chunk of the step, Sk the key span of the step, E exported snapshots, MB blocks per block table.
 

@@ -107,7 +107,6 @@ class Engine:
         self.aborted: list[RequestState] = []  # final outputs the next step() returns
         self.counters = dict(aborts=0, prompt_tokens_total=0, generation_tokens_total=0)
 
-    # ---- the contract --------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         p, ids = request.params, list(request.prompt_ids)
         if request.request_id in self.requests:
@@ -185,7 +184,6 @@ class Engine:
                         progress(len(final), len(ids))
         return [final[r] for r in ids]
 
-    # ---- one step ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """One scheduler step: the outputs of the requests that sampled a token (and of those aborted since)."""
@@ -233,7 +231,6 @@ class Engine:
                 advanced[seq.group.request.request_id] = seq.group
         return aborted + [self._output(g) for g in advanced.values()]
 
-    # ---- helpers -------------------------------------------------------------------------------------------
     def _generator(self, p: SamplingParams, index: int) -> torch.Generator:
         seed = p.seed + index if p.seed is not None else int(torch.randint(0, 2**62, ()))
         return torch.Generator(device=self.device).manual_seed(seed)
