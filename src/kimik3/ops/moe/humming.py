@@ -1,0 +1,187 @@
+"""Routed experts on MXFP4-packed weights (W4A16) through Humming's MoE GEMM (`humming-kernels`, Hopper).
+
+Legend: N tokens, A active experts per token, M = N*A routed rows in flat (token, slot) order, E experts,
+L latent width, F expert width, BM Humming's row block; packed weights [E, out, in/2] uint8, scales
+[E, out, in/32] uint8 (E8M0). bf16 activations only.
+
+Humming (the W4A16 MoE backend vLLM prefers on SM90) takes MXFP4 natively: E2M1 codes and one E8M0 scale per 32
+inputs, decoded exactly in the GEMM's main loop, fp32 accumulation, bf16 out. Per call, nothing waits on the host:
+    tables   vLLM's block alignment, in torch: each expert's flat rows in ascending row order, padded to a multiple
+             of BM with the sentinel M; the expert of each BM-row block; the padded length (read on the device).
+    gemm1    Humming INDEXED GEMM over [w1; w3] stacked as one [E, 2F, L] layer: row r of g13 [M, 2F] is
+             z[r // A] @ [w1; w3][expert of r]^T, rounded to bf16 (the reference rounds both matmuls too).
+    SiTU     one Triton pass, `kimik3.ops.situ`'s device function in fp32: h [M, F] = SiTU(g13[:, :F], g13[:, F:]).
+    gemm2    Humming INDEXED GEMM, top_k 1: y [M, L] = h @ w2^T per row's expert, rounded to bf16.
+    combine  the Triton path's slot-order fp32 combine (`triton_mxfp4._combine_kernel`).
+Humming has no activation epilogue, so h makes one round trip through memory (M*3F*2 bytes).
+
+Humming wants its own weight layout: the first call re-lays out the codes and scales (`humming.transform`, a copy
+as large as the packed experts) and keeps the result on the w1 packed tensor, keyed by the six tensors' storage
+and version counters (`_prepared`): a module's buffers pay once, an in-place update (`copy_` by the loader)
+re-lays out on the next call. The first call at each routed-row count also picks Humming's tiles (its heuristics)
+and JIT-compiles them (seconds, cached on disk in HUMMING_CACHE_DIR); after that warm-up a call is CUDA-graph
+capturable.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kimik3.ops.moe.triton_mxfp4 import _combine_kernel
+from kimik3.ops.situ.triton import round_to, situ
+
+BLOCK = 2048  # SiTU elements per program
+LOCKS = 1 << 16  # int32 stream-K locks; the kernels need about 1.1 per CTA (~300 on an H200) and leave them zero
+COMPUTE = json.dumps({"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"})
+_CACHE = "_kimik3_humming"  # attribute on the w1 packed tensor holding (key, layers)
+
+
+class _Layer(NamedTuple):
+    config: object  # humming.config.LayerConfig
+    tensors: dict[str, Tensor]  # Humming's weight, weight_scale (and weight_scale_2 where its transform adds one)
+
+
+def unsupported(z: Tensor, packed: tuple[Tensor, Tensor, Tensor]) -> str | None:
+    """Why Humming cannot run this call (None when it can): a bf16 CUDA z on compute capability 9.x, and widths
+    that need no padding (L a multiple of 256, F of 128: its N blocks and K blocks)."""
+    if not z.is_cuda or torch.cuda.get_device_capability(z.device)[0] != 9:
+        return "needs a CUDA device of compute capability 9.x (Hopper)"
+    if z.dtype != torch.bfloat16:
+        return f"needs bf16 activations, got {z.dtype}"
+    L, F = z.shape[1], packed[0].shape[1]
+    if L % 256 or F % 128:
+        return f"needs L % 256 == 0 and F % 128 == 0, got L={L}, F={F}"
+    return None
+
+
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (and cannot change outside inference mode)
+        return -1
+
+
+def _relayout(packed: Tensor, scale: Tensor, shape_n: int, shape_k: int) -> _Layer:
+    """MXFP4 bytes [E, n, k/2] and E8M0 bytes [E, n, k/32] -> Humming's layout, the values unchanged."""
+    from humming import dtypes
+    from humming.schema import HummingWeightSchema
+    from humming.transform import prepare_layer_config, transform_humming_tensors
+
+    schema = HummingWeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e8m0, weight_scale_group_size=32)
+    # the bytes go in as stored: 8 codes per int32 in Humming's order, the scale bytes as float8_e8m0fnu
+    tensors = {"weight": packed.contiguous().view(torch.int32),
+               "weight_scale": scale.contiguous().view(torch.float8_e8m0fnu)}
+    config = prepare_layer_config(shape_n=shape_n, shape_k=shape_k, weight_schema=schema,
+                                  num_experts=packed.shape[0], pad_n_to_multiple=256, pad_k_to_multiple=128,
+                                  torch_dtype=torch.bfloat16, device=packed.device, tensors=tensors)
+    return _Layer(config, transform_humming_tensors(config, tensors))
+
+
+def _prepared(packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor]) -> tuple[_Layer, _Layer]:
+    """(w13, w2) in Humming's layout, made on the first call for these tensors and kept on packed[0]."""
+    key = tuple((t.data_ptr(), _version(t), tuple(t.shape)) for t in (*packed, *scales))
+    cached = getattr(packed[0], _CACHE, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    setattr(packed[0], _CACHE, None)  # a stale copy goes before the new one is made
+    (w1p, w3p, w2p), (w1s, w3s, w2s) = packed, scales
+    F, L = w1p.shape[1], w1p.shape[2] * 2
+    w13 = _relayout(torch.cat([w1p, w3p], dim=1), torch.cat([w1s, w3s], dim=1), 2 * F, L)
+    layers = (w13, _relayout(w2p, w2s, L, F))
+    setattr(packed[0], _CACHE, (key, layers))
+    return layers
+
+
+def _tuning(layer: _Layer, rows: int, device: torch.device) -> tuple[str, int]:
+    """(Humming's heuristic tile config for `rows` routed rows, as JSON; its row block BM). Cached by Humming."""
+    from humming.tune import get_heuristics_config
+
+    t = get_heuristics_config(layer_config=layer.config, shape_m=rows, gemm_type="indexed", device=device)
+    return json.dumps(t), int(t["block_shape"][0])
+
+
+def _tables(topk_idx: Tensor, num_experts: int, bm: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Humming's INDEXED routing tables, without a host sync.
+
+    Returns sorted_ids int32 [cap]: the flat rows of expert 0, then expert 1 ..., each expert's run padded to a
+    multiple of bm with the sentinel M; expert_ids int32 [cap / bm]: the expert of each bm-row block (blocks past
+    the padded length are skipped by the kernel; they hold E - 1); num_tokens_padded int32 [1].
+    cap = M + min(E, M) * (bm - 1) rounded up to bm bounds the padded length for any routing.
+    """
+    flat = topk_idx.reshape(-1)
+    M, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + bm - 1) // bm * bm
+    pad_end = padded.cumsum(0)
+    sorted_e, order = torch.sort(flat, stable=True)
+    # a row's place: its expert's padded start plus its rank among that expert's rows
+    pos = (pad_end - padded - counts.cumsum(0) + counts)[sorted_e] + torch.arange(M, device=dev)
+    cap = -(-(M + min(num_experts, M) * (bm - 1)) // bm) * bm
+    sorted_ids = torch.full((cap,), M, dtype=torch.int32, device=dev)
+    sorted_ids[pos] = order.to(torch.int32)
+    block_start = torch.arange(0, cap, bm, device=dev)
+    expert_ids = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, pad_end[-1:].to(torch.int32)
+
+
+def _gemm(layer: _Layer, x: Tensor, out: Tensor, tables: tuple[Tensor, Tensor, Tensor], top_k: int,
+          tuning: str, locks: Tensor) -> None:
+    """out[r] = x[r // top_k] @ W[expert of r]^T for every routed row r (Humming INDEXED, into `out`)."""
+    from humming.forward import humming_forward
+
+    w = layer.tensors
+    humming_forward(layer.config, inputs=x, weight=w["weight"], weight_scale=w["weight_scale"],
+                    weight_scale_2=w.get("weight_scale_2"), outputs=out, sorted_ids=tables[0], expert_ids=tables[1],
+                    num_tokens_padded=tables[2], locks=locks, top_k=top_k, compute_config=COMPUTE,
+                    tuning_config=tuning)
+
+
+@triton.jit
+def _situ_kernel(g13_ptr, h_ptr, n, F: tl.constexpr, beta, linear_beta, BLOCK: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """h[r, c] = SiTU(g13[r, c], g13[r, F + c]) over the n = M * F elements of h."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    src = (offs // F) * (2 * F) + offs % F
+    g = tl.load(g13_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(g13_ptr + src + F, mask=mask, other=0.0).to(tl.float32)
+    h = situ(g, u, beta, linear_beta)
+    tl.store(h_ptr + offs, round_to(h, h_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: tuple[Tensor, Tensor, Tensor],
+                         scales: tuple[Tensor, Tensor, Tensor], beta: float, linear_beta: float) -> Tensor:
+    """Humming path of `kimik3.ops.moe.routed_experts_mxfp4` (same contract; bf16 z on Hopper, see `unsupported`).
+
+    topk_idx must hold experts in [0, E) (not checked: that would need the host).
+    """
+    (N, L), A = z.shape, topk_idx.shape[1]
+    E, F = packed[0].shape[0], packed[0].shape[1]
+    M = N * A
+    if M == 0:
+        return torch.zeros_like(z)
+    w13, w2 = _prepared(packed, scales)
+    t13, bm13 = _tuning(w13, M, z.device)
+    t2, bm2 = _tuning(w2, M, z.device)
+    tables13 = _tables(topk_idx, E, bm13)
+    tables2 = tables13 if bm2 == bm13 else _tables(topk_idx, E, bm2)
+    locks = torch.zeros(LOCKS, dtype=torch.int32, device=z.device)
+    interpret = bool(triton.knobs.runtime.interpret)
+    g13 = torch.empty(M, 2 * F, dtype=z.dtype, device=z.device)
+    _gemm(w13, z.contiguous(), g13, tables13, A, t13, locks)
+    h = torch.empty(M, F, dtype=z.dtype, device=z.device)
+    _situ_kernel[(triton.cdiv(M * F, BLOCK),)](g13, h, M * F, F=F, beta=float(beta), linear_beta=float(linear_beta),
+                                               BLOCK=BLOCK, INTERPRET=interpret, num_warps=8)
+    y = torch.empty(M, L, dtype=z.dtype, device=z.device)
+    _gemm(w2, h, y, tables2, 1, t2, locks)
+    out = torch.empty_like(z)
+    bl = min(1024, triton.next_power_of_2(L))
+    _combine_kernel[(N, triton.cdiv(L, bl))](y, topk_weight.float().contiguous(), out, A=A, L=L, BL=bl,
+                                              INTERPRET=interpret, num_warps=4)
+    return out

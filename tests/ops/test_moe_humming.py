@@ -1,0 +1,201 @@
+"""The Humming backend of `kimik3.ops.moe.routed_experts_mxfp4` and the W4A16 backend choice.
+
+CPU: the choice (`mxfp4_backend`: triton without CUDA, or when forced; a forced humming that cannot run is an
+error), Humming's routing tables, and the path's own code (tables, Triton SiTU and combine, under Triton's
+interpreter) with Humming's GEMM emulated in torch. GPU (`-m gpu`, an H200 with humming-kernels installed): the
+path against the reference at K3's widths, CUDA-graph replay against eager, and the cached weight re-layout.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from kimik3.ops import moe
+from kimik3.ops.backend import use_backend
+from kimik3.ops.moe import reference
+from kimik3.ops.mxfp4 import decode
+from tests.helpers import rel_err, requires_cuda
+from tests.ops.test_moe_fast import mx_experts, poison_allocator, routing
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+BETA, LINEAR_BETA = 4.0, 25.0
+K3_DIMS = dict(E=32, L=3584, F=3072)  # K3's latent and expert widths, fewer experts
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (CPU: Triton's interpreter)")
+
+
+def test_backend_choice_cpu(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 64, generator=gen).bfloat16()
+    idx, tw = routing(4, 2, 3, gen)
+    packed, scales = mx_experts(3, 64, 96, gen)
+    monkeypatch.delenv("KIMIK3_MOE_BACKEND", raising=False)
+    assert moe.mxfp4_backend(z, packed) == "triton"
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "triton")
+    assert moe.mxfp4_backend(z, packed) == "triton"
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")
+    with pytest.raises(ValueError, match="KIMIK3_MOE_BACKEND=humming"):
+        moe.mxfp4_backend(z, packed)
+    # the choice is made on the fast path only: a CPU call takes the reference whatever is forced
+    out = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    assert torch.equal(out, reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA))
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="one of"):
+        moe.mxfp4_backend(z, packed)
+
+
+@needs_triton
+def test_unsupported_names_the_reason():
+    from kimik3.ops.moe import humming
+
+    packed = (torch.empty(2, 3072, 1792, dtype=torch.uint8),)
+    assert "compute capability 9" in humming.unsupported(torch.empty(1, 3584, dtype=torch.bfloat16), packed)
+
+
+def emulate_indexed(x, w, tables, top_k, out):
+    """What Humming's INDEXED GEMM computes: each bm-row block below the padded length gives its rows r (sentinels
+    >= the routed row count skipped) x[r // top_k] @ w[expert of the block]^T, rounded to out's dtype."""
+    sorted_ids, expert_ids, ntp = tables
+    bm = sorted_ids.numel() // expert_ids.numel()
+    for b in range(int(ntp[0]) // bm):
+        r = sorted_ids[b * bm:(b + 1) * bm].long()
+        r = r[r < out.shape[0]]
+        out[r] = (x[r // top_k].float() @ w[int(expert_ids[b])].float().T).to(out.dtype)
+
+
+@needs_triton
+def test_tables_cover_each_row_once_in_its_experts_blocks():
+    from kimik3.ops.moe import humming
+
+    gen = torch.Generator().manual_seed(1)
+    for N, A, E, bm in [(1, 1, 4, 16), (37, 3, 5, 16), (64, 8, 300, 32), (50, 2, 2, 64), (300, 2, 3, 128)]:
+        idx, _ = routing(N, A, E, gen, empty=())
+        M = N * A
+        sorted_ids, expert_ids, ntp = humming._tables(idx, E, bm)
+        flat = idx.reshape(-1)
+        counts = torch.bincount(flat, minlength=E)
+        assert int(ntp[0]) == int(((counts + bm - 1) // bm * bm).sum())
+        assert sorted_ids.numel() % bm == 0 and sorted_ids.numel() >= int(ntp[0])
+        assert expert_ids.numel() == sorted_ids.numel() // bm
+        valid = sorted_ids[:int(ntp[0])].long()
+        assert torch.equal(valid[valid < M].sort().values, torch.arange(M))
+        assert (sorted_ids[int(ntp[0]):] == M).all()
+        for b in range(int(ntp[0]) // bm):
+            rows = sorted_ids[b * bm:(b + 1) * bm].long()
+            rows = rows[rows < M]
+            assert rows.numel() > 0 and (flat[rows] == expert_ids[b]).all() and (rows.diff() > 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("N,A,E", [(3, 2, 5), (20, 4, 6), (1, 1, 3)])
+def test_humming_path_emulated_matches_reference(monkeypatch, N, A, E):
+    """The path's own code (tables, SiTU, combine) with Humming's re-layout and GEMM replaced by the torch emulation."""
+    from kimik3.ops.moe import humming
+
+    gen = torch.Generator().manual_seed(N * 7 + E)
+    L, F = 64, 96
+    z = torch.randn(N, L, generator=gen).bfloat16()
+    idx, tw = routing(N, A, E, gen)
+    packed, scales = mx_experts(E, L, F, gen)
+    w1, w3, w2 = (decode(p, s, torch.bfloat16) for p, s in zip(packed, scales))
+    monkeypatch.setattr(humming, "_prepared", lambda packed, scales: (torch.cat([w1, w3], dim=1), w2))
+    monkeypatch.setattr(humming, "_tuning", lambda layer, rows, device: ("{}", 16))
+    monkeypatch.setattr(humming, "_gemm", lambda w, x, out, tables, top_k, tuning, locks:
+                        emulate_indexed(x, w, tables, top_k, out))
+    out = humming.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    ref = reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-3
+
+
+def _humming_ready() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and HAS_TRITON
+            and moe.has_humming())
+
+
+gpu = pytest.mark.gpu
+needs_humming = pytest.mark.skipif(not _humming_ready(), reason="needs humming-kernels and a compute capability 9.x")
+
+
+def _gpu_case(N, A, E, seed):
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, K3_DIMS["L"], generator=gen).bfloat16().cuda()
+    idx, tw = routing(N, A, E, gen, device="cuda", empty=(1, 2))
+    packed, scales = mx_experts(E, K3_DIMS["L"], K3_DIMS["F"], gen, device="cuda")
+    return z, idx, tw, packed, scales
+
+
+@gpu
+@requires_cuda
+@needs_humming
+@pytest.mark.parametrize("N", [16, 256, 1024])
+def test_humming_matches_reference_gpu(N, monkeypatch, record_property):
+    z, idx, tw, packed, scales = _gpu_case(N, 16, K3_DIMS["E"], seed=N)
+    monkeypatch.delenv("KIMIK3_MOE_BACKEND", raising=False)
+    assert moe.mxfp4_backend(z, packed) == "humming"
+    with use_backend("torch"):
+        ref = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    poison_allocator("cuda", 64 * N * 16 * K3_DIMS["L"] * 2)
+    out = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    err = rel_err(out, ref)
+    record_property("rel_err", err)
+    print(f"mxfp4 humming N={N} A=16 {K3_DIMS}: rel err {err:.2e}")
+    assert out.dtype == torch.bfloat16 and err < 1e-2
+    # forced, the same kernels; forced triton, ours (the two agree to bf16 level)
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")
+    assert torch.equal(moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA), out)
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "triton")
+    assert rel_err(moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA), ref) < 1e-2
+
+
+@gpu
+@requires_cuda
+@needs_humming
+def test_humming_cuda_graph_replay_equals_eager_gpu():
+    from kimik3.ops.moe import humming
+
+    N, A = 64, 16
+    z, idx, tw, packed, scales = _gpu_case(N, A, K3_DIMS["E"], seed=5)
+
+    def run():
+        return humming.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # warm-up: re-layout, tile choice, JIT
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    gen = torch.Generator().manual_seed(6)
+    new_idx, new_tw = routing(N, A, K3_DIMS["E"], gen, device="cuda")
+    z.copy_(torch.randn(z.shape, generator=gen).bfloat16())
+    idx.copy_(new_idx)
+    tw.copy_(new_tw)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = run()
+    assert torch.equal(out, eager)
+    ref = reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    assert rel_err(out, ref) < 1e-2
+
+
+@gpu
+@requires_cuda
+@needs_humming
+def test_humming_relayout_once_and_again_after_an_update_gpu():
+    from kimik3.ops.moe import humming
+
+    N, A, E = 16, 4, 8
+    z, idx, tw, packed, scales = _gpu_case(N, A, E, seed=7)
+    humming.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    layers = getattr(packed[0], humming._CACHE)[1]
+    humming.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    assert getattr(packed[0], humming._CACHE)[1] is layers
+    new_packed, new_scales = mx_experts(E, K3_DIMS["L"], K3_DIMS["F"], torch.Generator().manual_seed(8), device="cuda")
+    for old, new in zip((*packed, *scales), (*new_packed, *new_scales)):
+        old.copy_(new)  # as the checkpoint loader fills the buffers
+    out = humming.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    assert getattr(packed[0], humming._CACHE)[1] is not layers
+    assert rel_err(out, reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)) < 1e-2
