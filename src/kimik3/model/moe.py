@@ -19,6 +19,7 @@ from kimik3.model.mlp import MLP
 from kimik3.model.norm import RMSNorm
 from kimik3.ops.moe import routed_experts, routed_experts_mxfp4
 from kimik3.ops.mxfp4 import encode, packed_shapes
+from kimik3.ops.router import router_logits
 
 
 class Router(nn.Module):
@@ -33,7 +34,12 @@ class Router(nn.Module):
 
     def forward(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Returns (topk_idx [N, A] int64, topk_weight [N, A] fp32, scores [N, E] fp32)."""
-        scores_NE = torch.sigmoid(x_ND.float() @ self.weight.float().T)
+        # fp32 logits of exact products; with bf16 x and weight on CUDA one tensor-core GEMM adds them in another
+        # order than the fp32 reference (the bound: `kimik3.ops.router`). A score moves by at most 1/4 of its
+        # logit's error, so routing can differ from the reference's only on near-ties: a token whose A-th and
+        # (A+1)-th biased scores lie that close may pick the other expert, as two fp32 summation orders could.
+        # The correction bias still only selects, and QB balancing reads these scores as before.
+        scores_NE = torch.sigmoid(router_logits(x_ND, self.weight))
         _, idx_NA = torch.topk(scores_NE.detach() + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)
         w_NA = scores_NE.gather(-1, idx_NA)
         if self.renormalize and self.top_k > 1:
