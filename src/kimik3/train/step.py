@@ -9,6 +9,7 @@ global-batch mean loss, independent of how rows are split over ranks and micro-b
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +117,11 @@ def train_step(model: nn.Module, batches: list[MicroBatch], optimizers: Optimize
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[MicroBatch], *, device: torch.device, precision: str) -> dict:
-    """Mean CE and perplexity over every rank's validation micro-batches (no balancing statistics)."""
+    """Mean CE and perplexity over every rank's validation micro-batches (no balancing statistics).
+
+    Both are NaN when the batches hold no target tokens (e.g. chat rows without an assistant turn): a mean over
+    nothing is not a loss, and 0 (ppl 1.0) would read as a perfect model. The trainer logs the NaN and goes on.
+    """
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     try:
@@ -128,5 +133,5 @@ def evaluate(model: nn.Module, batches: list[MicroBatch], *, device: torch.devic
     finally:
         model.train()
     all_reduce(total)
-    loss = float(total[0] / total[1].clamp(min=1))
+    loss = float(total[0] / total[1]) if total[1] > 0 else math.nan
     return {"eval_loss": loss, "eval_ppl": float(torch.tensor(loss).exp()), "eval_tokens": int(total[1])}
