@@ -23,6 +23,7 @@ from kimik3.train.data import RowSampler, eval_batches, open_stream, step_batche
 from kimik3.train.optim import build_optimizer, lr_factor
 
 D, LAYERS, HEADS, FFN = 384, 8, 6, 1024
+EVAL_ROWS = 16  # rows per validation micro-batch (the whole validation set is scored)
 
 
 class Block(nn.Module):
@@ -86,21 +87,26 @@ def main() -> None:
     d, t, o = cfg.data, cfg.train, cfg.optim
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = Tokenizer.from_file(d.tokenizer)
-    train = RowSampler(open_stream(d.train, "data.train", d.tokenizer), d.seq_len, tok.vocab_size, d.shuffle, d.seed)
-    val = RowSampler(open_stream(d.valid, "data.valid", d.tokenizer), d.seq_len, tok.vocab_size, shuffle=False)
-    val_batches = eval_batches(val, val.num_rows, 0, 1, 16)
+    # the trainer's streams and row order (kimik3.train.loop.Trainer), on one rank
+    train = RowSampler(open_stream(d.train, key="data.train", tokenizer=d.tokenizer, eos_id=d.eos_id),
+                       seq_len=d.seq_len, vocab_size=tok.vocab_size, shuffle=d.shuffle, seed=d.seed)
+    val = RowSampler(open_stream(d.valid, key="data.valid", tokenizer=d.tokenizer, eos_id=d.eos_id),
+                     seq_len=d.seq_len, vocab_size=tok.vocab_size, shuffle=False)
+    val_batches = eval_batches(val, num_rows=val.num_rows, rank=0, world=1, rows=EVAL_ROWS)
     torch.manual_seed(t.seed)
     model = DenseLM(tok.vocab_size).to(device)
     params = sum(p.numel() for p in model.parameters())
-    opt = build_optimizer(model, o.name, o.lr, o.weight_decay, tuple(o.betas), o.eps)
+    opt = build_optimizer(model, name=o.name, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
+                          muon_momentum=o.muon_momentum)
     t0, losses = time.perf_counter(), []
     for step in range(t.steps):
-        opt.set_lr(lr_factor(step + 1, t.steps, o.warmup_steps, o.schedule, o.min_lr_ratio, o.decay_fraction))
+        opt.set_lr(lr_factor(step + 1, total=t.steps, warmup=o.warmup_steps, schedule=o.schedule,
+                             min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction))
         total, targets = 0.0, 0
-        for mb in step_batches(train, step, 0, 1, t.grad_accum, t.micro_batch_rows):
+        for mb in step_batches(train, step=step, rank=0, world=1, accum=t.grad_accum, rows=t.micro_batch_rows):
             mb = mb.to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16"):
-                loss = model(mb.input_ids, mb.labels, mb.cu_seqlens, t.micro_batch_rows)
+                loss = model(mb.input_ids, mb.labels, mb.cu_seqlens, rows=t.micro_batch_rows)
             (loss / mb.num_targets).backward()
             total, targets = total + float(loss.detach()), targets + mb.num_targets
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad_norm)
@@ -109,8 +115,8 @@ def main() -> None:
         losses.append(total / targets)
     model.eval()
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16"):
-        tot = sum(float(model(mb.to(device).input_ids, mb.to(device).labels, mb.to(device).cu_seqlens, 16))
-                  for mb in val_batches)
+        tot = sum(float(model(mb.to(device).input_ids, mb.to(device).labels, mb.to(device).cu_seqlens,
+                              rows=EVAL_ROWS)) for mb in val_batches)
     val_loss = tot / sum(mb.num_targets for mb in val_batches)
     out = {"params": params, "steps": t.steps, "train_loss_last": losses[-1], "val_loss": val_loss,
            "val_ppl": math.exp(val_loss), "seconds": time.perf_counter() - t0}
