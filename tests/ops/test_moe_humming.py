@@ -100,7 +100,7 @@ def test_humming_path_emulated_matches_reference(monkeypatch, N, A, E):
     w1, w3, w2 = (decode(p, s, torch.bfloat16) for p, s in zip(packed, scales))
     monkeypatch.setattr(humming, "_prepared", lambda packed, scales: (torch.cat([w1, w3], dim=1), w2))
     monkeypatch.setattr(humming, "_tuning", lambda layer, rows, device: ("{}", 16))
-    monkeypatch.setattr(humming, "_gemm", lambda w, x, out, tables, top_k, tuning, locks:
+    monkeypatch.setattr(humming, "_gemm", lambda w, x, out, tables, top_k, tuning:
                         emulate_indexed(x, w, tables, top_k, out))
     out = humming.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
     ref = reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
