@@ -14,6 +14,8 @@ Rows (issue 16), all in one call:
     PYTHONPATH=src:. python3 bench/bench_engine.py --cpu-demo  # the same rows, scaled down, demo model fp32 on CPU
     PYTHONPATH=src:. python3 bench/bench_engine.py --smoke     # CPU check of this script at toy sizes
     ... --rows prefix,mixed                                     # only some of decode, prefix, mixed
+    ... --profile             # decode rows also: the graph replay alone (device time, CUDA events) for both sides,
+                              # so host overhead and kernel time separate; and the kernels of one eager step each
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import time
 
 import torch
 
-from bench.common import DEVICE, ceilings, environment, smoke_config, sync, table, write_json
+from bench.common import DEVICE, ceilings, environment, median_ms, profile_top, smoke_config, sync, table, write_json
 from kimik3.inference import Sampler, SamplingParams, generate
 from kimik3.inference.cuda_graph import GraphedDecoder
 from kimik3.inference.engine import Engine, Request
+from kimik3.inference.engine.runner import _DecodeGraph
 from kimik3.model import K3ForCausalLM
 from kimik3.model.moe import LatentMoE
 from kimik3.presets import load_config
@@ -73,7 +76,7 @@ def run_static(model, reqs, batch: int, graphs: bool) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def engine_decode_ms(model, B: int, s: dict, graphs: bool) -> float:
+def engine_decode_ms(model, B: int, s: dict, graphs: bool, profile: bool = False) -> float:
     """Median ms of an engine step once B sequences of `context` tokens all decode."""
     engine = Engine(model, max_num_seqs=max(B, 1), max_num_batched_tokens=max(s["budget"], s["context"] + 64),
                     max_model_len=s["context"] + s["steps"] + 64, use_cuda_graphs=graphs, enable_prefix_cache=False)
@@ -90,10 +93,15 @@ def engine_decode_ms(model, B: int, s: dict, graphs: bool) -> float:
         engine.step()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
+    if profile:  # the static step on the scratch rows: the same kernels as the real rows, nothing overwritten
+        if graphs:
+            replay = engine.runner.graphs[engine.runner._bucket(B)].graph.replay
+            print(f"-- decode B={B}: engine graph replay alone {median_ms(replay):.3f} ms (device time)", flush=True)
+        profile_top(_DecodeGraph(engine.runner, B, None)._forward, f"engine decode B={B}", iters=3)
     return sorted(times)[len(times) // 2]
 
 
-def static_decode_ms(model, B: int, s: dict, graphs: bool) -> float:
+def static_decode_ms(model, B: int, s: dict, graphs: bool, profile: bool = False) -> float:
     """Median ms of generate()'s decode step (graph replay + sampler) at batch B and the same context."""
     cache = model.new_cache(B, s["context"] + s["steps"] + 8)
     model(torch.randint(0, 1000, (B, s["context"]), device=DEVICE), cache=cache)
@@ -107,6 +115,13 @@ def static_decode_ms(model, B: int, s: dict, graphs: bool) -> float:
         tokens = sampler.sample(step(tokens))
         tokens.tolist()  # generate() reads the tokens on the host every step too
         times.append((time.perf_counter() - t0) * 1e3)
+    if profile:
+        if graphs:
+            print(f"-- decode B={B}: generate() graph replay alone {median_ms(step.graph.replay):.3f} ms (device time)",
+                  flush=True)
+        profile_top(lambda: model(tokens[:, None], cache=cache, step=cache.make_step(
+            torch.zeros(1, dtype=torch.long, device=DEVICE) + cache.length - 1, None, span=cache.max_length)),
+                    f"generate() decode B={B}", iters=3)
     return sorted(times)[len(times) // 2]
 
 
@@ -116,6 +131,9 @@ def roofline_ms(model, B: int, context: int, bandwidth: float) -> float:
     cfg = model.config
     expert, dense = 0, 0
     for name, t in model.state_dict().items():
+        if name.endswith("embed_tokens.weight"):  # a lookup reads only B rows of the table
+            dense += B * t[0].nbytes
+            continue
         (expert := expert + t.nbytes) if ".experts." in name else (dense := dense + t.nbytes)
     moe = next((m for m in model.modules() if isinstance(m, LatentMoE)), None)
     touched = 1 - (1 - cfg.moe.num_experts_per_token / cfg.moe.num_experts) ** B if moe is not None else 0
@@ -143,7 +161,7 @@ def emit(results: dict, rows: list, mode: str) -> None:
 
 
 @torch.no_grad()
-def main(mode: str, which: tuple[str, ...] = ("decode", "prefix", "mixed")) -> None:
+def main(mode: str, which: tuple[str, ...] = ("decode", "prefix", "mixed"), profile: bool = False) -> None:
     s = SIZES[mode]
     if mode == "device":
         from bench.build import materialize
@@ -164,8 +182,8 @@ def main(mode: str, which: tuple[str, ...] = ("decode", "prefix", "mixed")) -> N
 
     bandwidth = ceilings()["copy_bytes_per_s"] / 2  # bytes read per second
     for B in s["batches"] if "decode" in which else ():
-        e = engine_decode_ms(model, B, s, graphs)
-        g = static_decode_ms(model, B, s, graphs)
+        e = engine_decode_ms(model, B, s, graphs, profile)
+        g = static_decode_ms(model, B, s, graphs, profile)
         roof = roofline_ms(model, B, s["context"], bandwidth)
         results[f"decode B={B}"] = {"engine_ms": e, "generate_ms": g, "ratio": e / g, "roofline_ms": roof}
         rows.append([f"decode step B={B}, context {s['context']} (ms)", f"{e:.2f}", f"{g:.2f}", f"{e / g:.2f}x",
@@ -224,4 +242,5 @@ def mixed_row(model, s, vocab, graphs, results, rows, mode) -> None:
 if __name__ == "__main__":
     args = sys.argv[1:]
     which = tuple(args[args.index("--rows") + 1].split(",")) if "--rows" in args else ("decode", "prefix", "mixed")
-    main("smoke" if "--smoke" in args else "cpu-demo" if "--cpu-demo" in args else "device", which)
+    main("smoke" if "--smoke" in args else "cpu-demo" if "--cpu-demo" in args else "device", which,
+         "--profile" in args)

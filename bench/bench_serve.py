@@ -24,6 +24,7 @@ opentelemetry-api into .whl/serve/, beside fla's wheel in .whl/) and start the o
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import socket
@@ -248,6 +249,7 @@ def main(smoke: bool, check: bool) -> int:
         results[f"inprocess c={c}"] = run_inprocess(engine, prompts, c, output_len)
         results[f"prompts c={c}"] = (warm, prompts)
     del engine
+    gc.collect()  # the engine's graphs refer back to it: freed only by the cycle collector
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     proc, url = _spawn([__file__, "--child"] + (["--check"] if check else []))

@@ -29,7 +29,7 @@ from kimik3.inference.engine.request import (
     Status,
     TokenLogprob,
 )
-from kimik3.inference.engine.runner import ModelRunner
+from kimik3.inference.engine.runner import ModelRunner, take_rows
 from kimik3.inference.engine.sampler import sample, token_logprobs
 from kimik3.inference.engine.scheduler import Chunk, Scheduler
 from kimik3.inference.sampling import SamplingParams
@@ -225,7 +225,7 @@ class Engine:
         sampling = self._fork(samplers)
         if sampling:
             seqs = [s for s, _ in sampling]
-            tokens, logprobs = sample(logits[[r for _, r in sampling]], seqs)
+            tokens, logprobs = sample(take_rows(logits, [r for _, r in sampling]), seqs)
             for seq, token, lp in zip(seqs, tokens, logprobs):
                 self._append(seq, token, lp)
                 advanced[seq.group.request.request_id] = seq.group

@@ -41,7 +41,8 @@ class ModelRunner:
         """Run the chunks; returns (logits [M, V] fp32 at packed rows `logit_rows`, the step's KDA exports)."""
         lens = [c.num_tokens for c in chunks]
         if max(lens) == 1 and len(chunks) in self._graph_sizes() and not any(c.exports for c in chunks):
-            return self.graphs[self._bucket(len(chunks))](chunks)[: len(chunks)][logit_rows], None
+            logits = self.graphs[self._bucket(len(chunks))](chunks)
+            return take_rows(logits, logit_rows), None
         ids = torch.tensor([t for c in chunks for t in c.seq.tokens[c.seq.num_computed:
                                                                      c.seq.num_computed + c.num_tokens]])
         starts = torch.tensor([0, *lens]).cumsum(0)[:-1]
@@ -74,10 +75,13 @@ class _DecodeGraph:
     def __init__(self, runner: ModelRunner, rows: int, pool):
         self.runner, self.rows = runner, rows
         cache, d = runner.cache, runner.device
-        self.ids = torch.zeros(1, rows, dtype=torch.long, device=d)
-        self.slots = torch.full((rows,), cache.scratch_slot, dtype=torch.long, device=d)
-        self.cached = torch.zeros(rows, dtype=torch.long, device=d)
-        self.tables = torch.full((rows, runner.max_blocks), cache.scratch_block, dtype=torch.long, device=d)
+        # the inputs are views of one buffer, refilled by one host-to-device copy per step
+        MB = runner.max_blocks
+        self.inputs = torch.zeros(rows * (3 + MB), dtype=torch.long, device=d)
+        self.ids, self.slots, self.cached, tables = self.inputs.split([rows, rows, rows, rows * MB])
+        self.ids, self.tables = self.ids.view(1, rows), tables.view(rows, MB)
+        self.slots.fill_(cache.scratch_slot)
+        self.tables.fill_(cache.scratch_block)
         self.graph = None
         if pool is None:
             return
@@ -101,13 +105,21 @@ class _DecodeGraph:
         return r.model(self.ids, cache=r.cache, step=step)[0].float()
 
     def __call__(self, chunks: list[Chunk]) -> Tensor:
-        n, cache = len(chunks), self.runner.cache
-        self.ids[0, :n].copy_(torch.tensor([c.seq.tokens[c.seq.num_computed] for c in chunks]))
-        self.ids[0, n:] = 0
-        self.slots.copy_(torch.tensor([c.seq.slot for c in chunks] + [cache.scratch_slot] * (self.rows - n)))
-        self.cached.copy_(torch.tensor([c.seq.num_computed for c in chunks] + [0] * (self.rows - n)))
-        self.tables.copy_(self.runner._tables(chunks, self.rows))
+        cache, pad = self.runner.cache, self.rows - len(chunks)
+        host = torch.cat([torch.tensor([c.seq.tokens[c.seq.num_computed] for c in chunks] + [0] * pad
+                                       + [c.seq.slot for c in chunks] + [cache.scratch_slot] * pad
+                                       + [c.seq.num_computed for c in chunks] + [0] * pad),
+                          self.runner._tables(chunks, self.rows).flatten()])
+        self.inputs.copy_(host.pin_memory() if self.inputs.is_cuda else host, non_blocking=True)
         if self.graph is None:
             return self._forward()
         self.graph.replay()
         return self.logits
+
+
+def take_rows(x: Tensor, index: list[int]) -> Tensor:
+    """x[index] for a host list of row ids; a plain slice (no index tensor, no host-to-device copy that waits
+    for the queued step) when they are 0..n-1, as in every decode step."""
+    if index == list(range(len(index))):
+        return x[: len(index)]
+    return x[torch.tensor(index, device=x.device)]

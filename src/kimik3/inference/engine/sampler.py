@@ -17,6 +17,14 @@ from kimik3.inference.engine.request import Sequence, TokenLogprob
 from kimik3.inference.sampling import draw, repetition_penalty
 
 
+def to_device(x: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor onto `device` without waiting for the step queued there (a copy from pageable memory
+    would first wait for the stream: the sampler's launches would then start only once the forward ends)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def token_logprobs(logprobs_MV: Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
     """The log-probability of each row's token and the row's top-k: one host copy for all rows."""
     picked = logprobs_MV.gather(1, torch.tensor(tokens, device=logprobs_MV.device)[:, None])[:, 0].tolist()
@@ -33,7 +41,7 @@ def sample(logits_MV: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Tok
     device, (M, V) = logits_MV.device, logits_MV.shape
     x = logits_MV.float()
     params = [s.params for s in seqs]
-    f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    f = lambda xs, dtype=torch.float32: to_device(torch.tensor(xs, dtype=dtype), device)  # noqa: E731
     if any(p.logit_bias for p in params):
         bias = torch.zeros(M, V, device=device)
         for i, p in enumerate(params):
@@ -57,7 +65,7 @@ def sample(logits_MV: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Tok
         allowed = s.constraint.allowed() if s.constraint is not None else None
         if allowed is not None:
             x[i] = x[i].masked_fill(~allowed.to(device=device, dtype=torch.bool)[:V], float("-inf"))
-    tokens = draw(x, f([p.temperature for p in params]), torch.tensor([p.top_k or V for p in params], device=device),
+    tokens = draw(x, f([p.temperature for p in params]), f([p.top_k or V for p in params], torch.long),
                   f([p.top_p for p in params]), f([p.min_p for p in params]), [s.generator for s in seqs]).tolist()
     logprobs: list[TokenLogprob | None] = [None] * M
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
