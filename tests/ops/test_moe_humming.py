@@ -33,6 +33,8 @@ def test_backend_choice_cpu(monkeypatch):
     assert moe.mxfp4_backend(z, packed) == "triton"
     monkeypatch.setenv("KIMIK3_MOE_BACKEND", "triton")
     assert moe.mxfp4_backend(z, packed) == "triton"
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "auto")  # Humming where it can run: not on a CPU tensor
+    assert moe.mxfp4_backend(z, packed) == "triton"
     monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")
     with pytest.raises(ValueError, match="KIMIK3_MOE_BACKEND=humming"):
         moe.mxfp4_backend(z, packed)
@@ -131,6 +133,8 @@ def _gpu_case(N, A, E, seed):
 def test_humming_matches_reference_gpu(N, monkeypatch, record_property):
     z, idx, tw, packed, scales = _gpu_case(N, 16, K3_DIMS["E"], seed=N)
     monkeypatch.delenv("KIMIK3_MOE_BACKEND", raising=False)
+    assert moe.mxfp4_backend(z, packed) == "triton"  # the default: Humming is opt-in (a second copy of the weights)
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "auto")
     assert moe.mxfp4_backend(z, packed) == "humming"
     with use_backend("torch"):
         ref = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)

@@ -9,11 +9,14 @@ The W4A16 backend (`mxfp4_backend`), imported on first use:
     humming  Humming's MoE GEMM (`.humming`; the `gpu` extra's humming-kernels) when it is installed and the call
              suits it: bf16 z on a compute capability 9.x device, L a multiple of 256 and F of 128 (K3's widths).
              Measured on an H200 at K3's 896 experts, top-16 (2026-12-01, Humming's bench in one process with
-             ours): 1.42 / 6.04 / 12.62 ms at 16 / 256 / 4096 tokens against Triton's 1.85 / 7.30 / 25.63, so it
-             is chosen at every token count.
-    triton   our Triton kernels (`.triton_mxfp4`) otherwise: fp16, other GPUs, other widths.
-The environment variable KIMIK3_MOE_BACKEND = auto (default) | triton | humming forces one for benchmarks and
-tests; a forced humming that cannot run this call is an error that says why, not a silent fallback.
+             ours): 1.42 / 6.04 / 12.62 ms at 16 / 256 / 4096 tokens against Triton's 1.85 / 7.30 / 25.63, so
+             `auto` chooses it at every token count.
+    triton   our Triton kernels (`.triton_mxfp4`): the default, and for fp16, other GPUs, other widths.
+The environment variable KIMIK3_MOE_BACKEND = triton (default) | auto | humming picks one; a forced humming that
+cannot run this call is an error that says why, not a silent fallback. Humming is opt-in for now because its
+re-laid-out weights are a second copy of the experts beside the stored ones (expert memory doubles; a device run
+with Humming picked by default ran out of memory building a second slice-12 engine): the default flips once the
+re-layout replaces the stored tensors at load time.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def mxfp4_backend(z: Tensor, packed: tuple[Tensor, Tensor, Tensor]) -> str:
     Raises:
         ValueError: KIMIK3_MOE_BACKEND is not one of MXFP4_BACKENDS, or it forces humming where Humming cannot run.
     """
-    choice = os.environ.get("KIMIK3_MOE_BACKEND", "auto")
+    choice = os.environ.get("KIMIK3_MOE_BACKEND", "triton")
     if choice not in MXFP4_BACKENDS:
         raise ValueError(f"KIMIK3_MOE_BACKEND must be one of {MXFP4_BACKENDS}, got {choice!r}")
     if choice == "triton":
