@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
 import torch
 
 from kimik3.model import K3ForCausalLM
@@ -48,3 +50,15 @@ def test_no_target_tokens_is_nan_not_a_perfect_model(tiny_config):
     assert out["eval_tokens"] == 0
     assert math.isnan(out["eval_loss"]) and math.isnan(out["eval_ppl"])
     assert model.training  # evaluation hands the model back in training mode
+
+
+def test_metrics_log_writes_strict_json(tmp_path):
+    """A NaN evaluation (no trained tokens) is written as null, at any depth: strict JSON readers accept the file."""
+    from kimik3.train.metrics import MetricsLog, read_metrics
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", enabled=True, resume_step=None)
+    log.write({"step": 3, "eval_loss": float("nan"), "eval_ppl": float("inf"), "qb": {"layer": [1.0, float("-inf")]}})
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 3, "eval_loss": None, "eval_ppl": None,
+                                                          "qb": {"layer": [1.0, None]}}]

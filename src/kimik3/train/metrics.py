@@ -77,11 +77,19 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record, default=_plain) + "\n")
+                f.write(json.dumps(_finite(record), default=str, allow_nan=False) + "\n")
 
 
-def _plain(x):
-    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
+def _finite(x):
+    """NaN and infinities as null, at any depth: json.dumps writes them as bare NaN / Infinity, which strict
+    readers refuse (an evaluation over no trained tokens reports NaN)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def read_metrics(path: str | Path) -> list[dict]:
