@@ -136,6 +136,7 @@ class Sampler:
         self.top_p = f([p.top_p for p in params])
         self.min_p = f([p.min_p for p in params])
         self.penalty = f([p.repetition_penalty for p in params])
+        self.greedy = all(p.temperature == 0 for p in params)
         self.seen = torch.zeros(B, V, dtype=torch.bool, device=device)
         seeds = [p.seed if p.seed is not None else int(torch.randint(0, 2**62, ())) for p in params]
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
@@ -149,6 +150,8 @@ class Sampler:
     def sample(self, logits_BV: Tensor) -> Tensor:
         """[B, V] logits -> [B] int64 token ids."""
         x = repetition_penalty(logits_BV.float(), self.seen, self.penalty)
+        if self.greedy:  # what draw returns for these rows, without its sort of every row's vocabulary
+            return x.argmax(-1)
         return draw(x, self.temperature, self.top_k, self.top_p, self.min_p, self.generators)
 
 

@@ -65,8 +65,12 @@ def sample(logits_MV: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Tok
         allowed = s.constraint.allowed() if s.constraint is not None else None
         if allowed is not None:
             x[i] = x[i].masked_fill(~allowed.to(device=device, dtype=torch.bool)[:V], float("-inf"))
-    tokens = draw(x, f([p.temperature for p in params]), f([p.top_k or V for p in params], torch.long),
-                  f([p.top_p for p in params]), f([p.min_p for p in params]), [s.generator for s in seqs]).tolist()
+    if all(p.temperature == 0 for p in params):  # what draw returns for these rows, without its vocabulary sort
+        tokens = x.argmax(-1).tolist()
+    else:
+        tokens = draw(x, f([p.temperature for p in params]), f([p.top_k or V for p in params], torch.long),
+                      f([p.top_p for p in params]), f([p.min_p for p in params]),
+                      [s.generator for s in seqs]).tolist()
     logprobs: list[TokenLogprob | None] = [None] * M
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
