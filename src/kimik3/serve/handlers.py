@@ -44,9 +44,9 @@ class _Job:
     async def submit(self, requests: list) -> None:
         """Queue every engine request; raises APIError (503 full, 400 refused) before anything was generated."""
         for k, req in enumerate(requests):
-            def sink(item, k=k):
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (k, item))
-            if not self.server.runner.submit(req, lambda item, sink=sink: sink(item)):
+            def sink(item, k=k):  # called in this event loop (the runner batches a step's outputs per loop)
+                self.queue.put_nowait((k, item))
+            if not self.server.runner.submit(req, sink):
                 self.abort()
                 raise APIError("the server is at capacity; retry later", status=503, code="server_overloaded")
             self.live[req.request_id] = k
@@ -81,9 +81,11 @@ class _Job:
                         return
                 if self.backlog:
                     k, out = self.backlog.pop(0)
+                elif not poll:  # a stream (Starlette cancels it when the client goes): no timer per token
+                    k, out = await self.queue.get()
                 else:
                     try:
-                        k, out = await asyncio.wait_for(self.queue.get(), poll_s if poll else None)
+                        k, out = await asyncio.wait_for(self.queue.get(), poll_s)
                     except asyncio.TimeoutError:
                         continue
                 if isinstance(out, Exception):
@@ -145,8 +147,18 @@ def _sampling_params(**kw):
         raise APIError(str(e)) from None
 
 
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # json.dumps with arguments builds one per call
+
+
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(obj)}\n\n"
+
+
+def _sse_choices(head: dict):
+    """`choices -> _sse({**head, "choices": choices})`, the same bytes, with the head (id, model, ...) encoded once
+    per response instead of once per token."""
+    prefix = f"data: {_JSON.encode(head)[:-1]},\"choices\":"
+    return lambda choices: f"{prefix}{_JSON.encode(choices)}}}\n\n"
 
 
 def _usage(prompt: int, completion: int, cached: int, reasoning: int | None = None) -> dict:
@@ -232,12 +244,13 @@ async def chat_completion(server, http: Request, body: dict):
         return {**head, "object": "chat.completion", "choices": out_choices, "usage": finish()}
 
     chunk_head = {**head, "object": "chat.completion.chunk"}
+    sse_choices = _sse_choices(chunk_head)
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
         choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason}
         if logprobs:
             choice["logprobs"] = {"content": logprobs}
-        return _sse({**chunk_head, "choices": [choice]})
+        return sse_choices([choice])
 
     async def stream() -> AsyncIterator[str]:
         for i in range(n):
@@ -330,6 +343,7 @@ async def completion(server, http: Request, body: dict):
         return {**head, "choices": out_choices, "usage": finish()}
 
     async def stream() -> AsyncIterator[str]:
+        sse_choices = _sse_choices(head)
         if plan.echo:
             for c in choices:
                 yield _sse({**head, "choices": [{"index": c.index, "text": tok.decode(prompts[c.index // n]),
@@ -337,7 +351,7 @@ async def completion(server, http: Request, body: dict):
         async for _, d in deltas(poll=False):
             choice = {"index": d.index, "text": d.text, "finish_reason": d.finish_reason,
                       "logprobs": legacy_logprobs(tok, d.logprobs) if plan.logprobs is not None else None}
-            yield _sse({**head, "choices": [choice]})
+            yield sse_choices([choice])
         if all(c.finished for c in choices):
             usage = finish()
             if plan.sampling.include_usage:

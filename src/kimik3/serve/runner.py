@@ -1,9 +1,16 @@
 """The engine loop in its own thread, fed and drained through thread-safe queues.
 
 The engine is synchronous: `step()` runs a forward. The asyncio front end never calls it; it puts commands in an
-inbox (add, abort, call) and receives each request's outputs through its own asyncio queue, woken with
-`call_soon_threadsafe`. A step never waits on a socket, a slow client never stalls the others (its outputs simply
-queue up), and an abort is applied before the next step's forward.
+inbox (add, abort, call) and receives each request's outputs in its event loop. A step never waits on a socket, a
+slow client never stalls the others (its outputs simply queue up), and an abort is applied before the next step's
+forward.
+
+Between two steps the engine thread does as little as it can: the GPU idles until the next forward is launched, and
+any Python the thread runs then (or waits for: the event loop holds the GIL while it formats the previous step's
+responses) adds to every request's latency. So a step's outputs cross to the event loop in one batch, one
+`call_soon_threadsafe` per step rather than one per request: each of those writes the loop's wake-up socket, and
+each such write releases the GIL to an event loop thread that then keeps it for up to a switch interval (5 ms).
+Everything per token (detokenizing, stop strings, JSON, SSE) happens on the event loop side.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ class EngineRunner:
         self.engine = engine
         self.max_pending = max_pending
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[Any], None]] = {}  # engine thread only
+        self._sinks: dict[str, tuple[Callable[[Any], None], Any]] = {}  # engine thread only: (sink, its loop)
+        self._outbox: dict[Any, list] = {}  # engine thread only: loop -> [(sink, item)] not yet handed over
         self._pending = 0  # guarded by _lock (read by the front end for admission)
         self._lock = threading.Lock()
         self.stats: dict[str, Any] = dict(engine.stats)  # a copy taken after each step (read by /metrics)
@@ -45,13 +53,18 @@ class EngineRunner:
         self._thread.start()
 
     def submit(self, request, sink: Callable[[Any], None]) -> bool:
-        """Queue a request; False if full. From the engine thread `sink` then gets ACCEPTED and RequestOutputs,
-        or the Exception add_request raised."""
+        """Queue a request; False if full. `sink` then gets ACCEPTED and RequestOutputs, or the Exception
+        add_request raised: in the event loop that called `submit` (batched per step), else in the engine
+        thread."""
         with self._lock:
             if self._pending >= self.max_pending:
                 return False
             self._pending += 1
-        self._inbox.put(("add", request, sink))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        self._inbox.put(("add", request, (sink, loop)))
         return True
 
     def abort(self, request_id: str) -> None:
@@ -76,6 +89,22 @@ class EngineRunner:
             with self._lock:
                 self._pending -= 1
 
+    def _send(self, target: tuple[Callable[[Any], None], Any], item: Any) -> None:
+        sink, loop = target
+        if loop is None:
+            sink(item)
+        else:
+            self._outbox.setdefault(loop, []).append((sink, item))
+
+    def _flush(self) -> None:
+        """Hand what the sinks got since the last flush to their event loops: one wake-up per loop."""
+        for loop, batch in self._outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that loop is closed: nobody is left to read these
+                pass
+        self._outbox = {}
+
     def _handle(self, kind: str, item: Any, extra: Any) -> None:
         if kind == "add":
             try:
@@ -83,10 +112,10 @@ class EngineRunner:
             except Exception as e:  # noqa: BLE001 (a refused request is the client's answer, not a dead loop)
                 with self._lock:
                     self._pending -= 1
-                extra(e)
+                self._send(extra, e)
                 return
             self._sinks[item.request_id] = extra
-            extra(ACCEPTED)
+            self._send(extra, ACCEPTED)
         elif kind == "abort":
             if item in self._sinks:
                 self.engine.abort(item)
@@ -107,22 +136,31 @@ class EngineRunner:
                     block = False
             except queue.Empty:
                 pass
+            if self._outbox:
+                self._flush()
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as e:
                 log.exception("engine step failed; failing its requests")
-                for request_id, sink in list(self._sinks.items()):
-                    sink(e)
+                for request_id, target in list(self._sinks.items()):
+                    self._send(target, e)
                     self.engine.abort(request_id)
                     self._done(request_id)
+                self._flush()
                 continue
             self.steps += 1
-            self.stats = dict(self.engine.stats)
             for out in outputs:
-                sink = self._sinks.get(out.request_id)
-                if sink is not None:
-                    sink(out)
+                target = self._sinks.get(out.request_id)
+                if target is not None:
+                    self._send(target, out)
                     if out.finished:
                         self._done(out.request_id)
+            self._flush()
+            self.stats = dict(self.engine.stats)
+
+
+def _deliver(batch: list) -> None:
+    for sink, item in batch:
+        sink(item)
