@@ -19,6 +19,15 @@ opentelemetry-api into .whl/serve/, beside fla's wheel in .whl/) and start the o
                                                              # concurrency 1, 2, 4, 8 for a fixed time; fails on
                                                              # any failed request
     PYTHONPATH=src:. python3 bench/bench_serve.py --check    # CPU: the device path on a toy-size slice
+    PYTHONPATH=src:. python3 bench/bench_serve.py --host     # CPU: the host overhead alone, against a stand-in
+                                                             # engine that sleeps for the device time
+    ... --levels=64                                          # only these concurrencies (any mode but --smoke)
+
+`--host` replaces the model by `HostEngine`: each step sleeps for the slice's measured device time (the GIL is free
+then, as in a CUDA sync) around a few hundred torch dispatches (each drops and retakes the GIL, as the real step's
+launches do), and returns outputs shaped as the engine's. What the HTTP side loses against it is host work that
+serializes with the engine loop; the child reports, per step, the engine thread's time outside `step()`, the
+inflation of `step()` itself (its GIL waits), and the event loop thread's CPU time.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ import torch
 
 SLICE_PROMPT, SLICE_OUTPUT, SLICE_LEVELS = 512, 128, (1, 8, 64)
 SMOKE_PROMPT, SMOKE_OUTPUT, SMOKE_LEVELS, SMOKE_SECONDS = 24, 6, (1, 2, 4, 8), 2.0
+# the 12-layer slice on the H200 (2026-12-01): a step of n decodes takes ~9 ms + 0.42 ms * n, a prompt token ~0.1 ms
+HOST_STEP_S, HOST_DECODE_S, HOST_PREFILL_S, HOST_DISPATCHES = 9e-3, 0.42e-3, 0.1e-3, 300
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -195,16 +206,105 @@ def build_slice_engine(check: bool = False):
     return engine, tok, cfg.vocab_size
 
 
-def serve_child(port: int, check: bool) -> None:
+class HostEngine:
+    """The engine contract without a model (for `--host`): chunked prefill under a token budget, one token per
+    running sequence per step, a sleep for the device time, outputs built as `Engine._output` builds them."""
+
+    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int = 2048):
+        from collections import OrderedDict
+
+        self.max_num_seqs, self.budget, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
+        self.requests: OrderedDict = OrderedDict()  # request id -> [request, prompt tokens computed, output ids]
+        self.stats = {"running": 0, "waiting": 0}
+        self.aborted: list = []
+        self.x = torch.zeros(8)
+
+    def add_request(self, request) -> None:
+        self.requests[request.request_id] = [request, 0, [], []]
+
+    def abort(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list:
+        from kimik3.inference.engine import RequestOutput, SequenceOutput, TokenLogprob
+
+        budget, decodes, prefill, sampled = self.budget, 0, 0, []
+        for st in list(self.requests.values())[: self.max_num_seqs]:
+            req, done = st[0], st[1]
+            if done == len(req.prompt_ids):
+                decodes, budget = decodes + 1, budget - 1
+                sampled.append(st)
+            elif budget > 0:
+                n = min(budget, len(req.prompt_ids) - done)
+                st[1], prefill, budget = done + n, prefill + n, budget - n
+                if st[1] == len(req.prompt_ids):
+                    sampled.append(st)
+        for _ in range(HOST_DISPATCHES):
+            self.x.add_(1)
+        time.sleep(HOST_STEP_S + HOST_DECODE_S * decodes + HOST_PREFILL_S * prefill)
+        outs = []
+        for st in sampled:
+            req, _, out, lps = st
+            token = len(out) % 251
+            out.append(token)
+            if req.params.logprobs is not None:
+                lps = st[3] = lps + [TokenLogprob(token, -1.0, [])]
+            finished = len(out) >= req.params.max_new_tokens
+            outs.append(RequestOutput(req.request_id, list(req.prompt_ids), [SequenceOutput(
+                0, list(out), out[-1:], lps if req.params.logprobs is not None else None,
+                "length" if finished else None, None)], finished, 0, None, {"queue_time": 0.0}))
+            if finished:
+                del self.requests[req.request_id]
+        self.stats = {"running": len(self.requests), "waiting": 0}
+        return outs
+
+
+class _StepClock:
+    """Wraps an engine's `step` to time it and the engine thread's gaps between two steps (busy periods only)."""
+
+    def __init__(self, engine):
+        self.engine, self.inner = engine, engine.step
+        self.steps, self.in_step, self.between, self.last_end = 0, 0.0, 0.0, None
+        engine.step = self.step
+
+    def step(self):
+        t0 = time.perf_counter()
+        if self.last_end is not None and t0 - self.last_end < 0.1:  # a longer gap is idle time, not host work
+            self.between += t0 - self.last_end
+        outs = self.inner()
+        self.last_end = t1 = time.perf_counter()
+        self.steps += 1
+        self.in_step += t1 - t0
+        return outs
+
+    def snapshot(self) -> dict:
+        return {"steps": self.steps, "in_step_s": self.in_step, "between_s": self.between,
+                "loop_cpu_s": time.thread_time()}  # called on the event loop thread
+
+
+def serve_child(port: int, check: bool, host: bool = False) -> None:
     """Child process: serve the slice with kimik3.serve's app (what `kimik3 serve` runs) until killed."""
     import uvicorn
 
     from kimik3.serve import Server, ServerConfig, build_app
 
     server = Server(ServerConfig(model_name="bench", max_pending=4096))
-    engine, tok, vocab = build_slice_engine(check)
+    if host:
+        engine, tok, vocab = HostEngine(), synthetic_tokenizer(1024), 1024
+    else:
+        engine, tok, vocab = build_slice_engine(check)
+    clock = _StepClock(engine)
     server.attach(engine, tok, vocab_size=vocab)
-    uvicorn.run(build_app(server), host="127.0.0.1", port=port, log_level="warning")
+    app = build_app(server)
+
+    @app.get("/bench_clock")
+    async def bench_clock():  # async: runs on the event loop thread, whose CPU time it reads
+        return clock.snapshot()
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
 def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -215,7 +315,7 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def main(smoke: bool, check: bool) -> int:
+def main(smoke: bool, check: bool, host: bool, levels: tuple[int, ...] = SLICE_LEVELS) -> int:
     from bench.common import environment, table, write_json
 
     g = torch.Generator().manual_seed(0)
@@ -240,45 +340,72 @@ def main(smoke: bool, check: bool) -> int:
         return 1 if any(r["failed"] or not r["requests"] for r in results.values()) else 0
 
     prompt_len, output_len = (32, 8) if check else (SLICE_PROMPT, SLICE_OUTPUT)
-    engine, _, _ = build_slice_engine(check)
-    for c in SLICE_LEVELS:  # in-process first, on the GPU alone
+    engine = HostEngine() if host else build_slice_engine(check)[0]
+    clock = _StepClock(engine)
+    for c in levels:  # in-process first, on the GPU alone
         # warm-up prompts of their own (a shared prompt would turn into a prefix-cache hit in the measurement)
         warm, prompts = ([torch.randint(0, 1000, (prompt_len,), generator=g).tolist() for _ in range(k)]
                          for k in (c, max(2 * c, 8)))
         run_inprocess(engine, warm, c, 8)  # CUDA graphs of this batch size, the allocator
+        before = clock.snapshot()
         results[f"inprocess c={c}"] = run_inprocess(engine, prompts, c, output_len)
+        results[f"inprocess c={c}"].update(_per_step(before, clock.snapshot()))
         results[f"prompts c={c}"] = (warm, prompts)
-    del engine
+    del engine, clock
     gc.collect()  # the engine's graphs refer back to it: freed only by the cycle collector
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    proc, url = _spawn([__file__, "--child"] + (["--check"] if check else []))
+    proc, url = _spawn([__file__, "--child"] + (["--check"] if check else []) + (["--host"] if host else []))
     try:
         _wait_ready(url, proc)
-        for c in SLICE_LEVELS:
+        for c in levels:
             warm, prompts = results.pop(f"prompts c={c}")
             asyncio.run(run_http(url, warm, c, 8))
+            before = _get_json(f"{url}/bench_clock")
             results[f"http c={c}"] = r = asyncio.run(run_http(url, prompts, c, output_len))
+            r.update(_per_step(before, _get_json(f"{url}/bench_clock")))
             base = results[f"inprocess c={c}"]
             overhead = 1 - r["tokens_per_s"] / base["tokens_per_s"]
             results[f"overhead c={c}"] = overhead
             for name, x in (("in-process", base), ("HTTP", r)):
                 rows.append([c, name, f"{x['tokens_per_s']:,.0f}", f"{x['ttft_p50_ms']:.1f} / {x['ttft_p99_ms']:.1f}",
-                             f"{x['itl_p50_ms']:.2f} / {x['itl_p99_ms']:.2f}", x.get("failed", "")])
-            rows.append([c, "HTTP overhead", f"{100 * overhead:.1f}%", "", "", ""])
+                             f"{x['itl_p50_ms']:.2f} / {x['itl_p99_ms']:.2f}", f"{x['step_ms']:.2f}",
+                             f"{x['between_ms']:.2f}", f"{x['loop_cpu_ms']:.2f}" if name == "HTTP" else "",
+                             x.get("failed", "")])
+            rows.append([c, "HTTP overhead", f"{100 * overhead:.1f}%", "", "", "", "", "", ""])
     finally:
         proc.terminate()
         proc.wait(60)
-    table(f"12-layer slice behind kimik3 serve vs in-process (prompt {prompt_len}, output {output_len}, greedy)",
-          ["concurrency", "path", "output tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "failed"], rows)
-    write_json("bench_serve_check" if check else "bench_serve",
-               {"env": environment(), "results": results, "workload": {"prompt": prompt_len, "output": output_len}})
-    return 1 if any(results[f"http c={c}"]["failed"] for c in SLICE_LEVELS) else 0
+    what = "stand-in engine (--host)" if host else "12-layer slice"
+    table(f"{what} behind kimik3 serve vs in-process (prompt {prompt_len}, output {output_len}, greedy)",
+          ["concurrency", "path", "output tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "step() ms/step",
+           "outside step() ms/step", "event loop CPU ms/step", "failed"], rows)
+    name = "bench_serve_host" if host else "bench_serve_check" if check else "bench_serve"
+    write_json(name, {"env": environment(), "results": results, "workload": {"prompt": prompt_len,
+                                                                             "output": output_len}})
+    return 1 if any(results[f"http c={c}"]["failed"] for c in levels) else 0
 
+
+def _get_json(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _per_step(before: dict, after: dict) -> dict:
+    """Per engine step of one level: wall time in step(), engine-thread time between steps, event loop CPU."""
+    n = max(1, after["steps"] - before["steps"])
+    return {"steps": after["steps"] - before["steps"],
+            "step_ms": 1e3 * (after["in_step_s"] - before["in_step_s"]) / n,
+            "between_ms": 1e3 * (after["between_s"] - before["between_s"]) / n,
+            "loop_cpu_ms": 1e3 * (after["loop_cpu_s"] - before["loop_cpu_s"]) / n}
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if "--child" in argv:
-        serve_child(int(argv[argv.index("--port") + 1]), check="--check" in argv)
+        serve_child(int(argv[argv.index("--port") + 1]), check="--check" in argv, host="--host" in argv)
     else:
-        sys.exit(main(smoke="--smoke" in argv, check="--check" in argv))
+        levels = [a.split("=", 1)[1] for a in argv if a.startswith("--levels=")]  # e.g. --levels=64
+        sys.exit(main(smoke="--smoke" in argv, check="--check" in argv, host="--host" in argv,
+                      levels=tuple(int(c) for c in levels[0].split(",")) if levels else SLICE_LEVELS))
