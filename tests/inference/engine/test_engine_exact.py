@@ -132,3 +132,24 @@ def test_static_decode_steps_equal_generate(model):
         ref = full_logprobs(model, prompt, out.outputs[0].token_ids)
         got = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs])
         assert rel_err(got, ref.gather(1, torch.tensor(out.outputs[0].token_ids)[:, None])[:, 0]) < 1e-5
+
+
+def test_engine_with_decode_graphs_is_freed_without_the_cycle_collector(model):
+    """`del engine` releases it at once (on CUDA its captured graphs hold a memory pool: a reference cycle kept
+    a benchmark's first engine alive until the collector ran, and the next one ran out of memory)."""
+    import gc
+    import weakref
+
+    from kimik3.inference.engine.runner import _DecodeGraph
+
+    engine = make_engine(model, max_num_seqs=2)
+    engine.runner.graphs = {n: _DecodeGraph(engine.runner, n, None) for n in (1, 2)}
+    engine.generate([[5, 6, 7]], greedy(2))
+    gc.collect()
+    alive, cache = weakref.ref(engine), weakref.ref(engine.runner.cache)
+    gc.disable()
+    try:
+        del engine
+        assert alive() is None and cache() is None
+    finally:
+        gc.enable()

@@ -8,6 +8,8 @@ Legend: N sequences in the step, T packed tokens, M logit rows, MB blocks per bl
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor, nn
 
@@ -73,7 +75,9 @@ class _DecodeGraph:
     the padding and the whole-table key span this way)."""
 
     def __init__(self, runner: ModelRunner, rows: int, pool):
-        self.runner, self.rows = runner, rows
+        # a proxy, not a reference: the runner owns its graphs, and a cycle would keep the captured graphs' memory
+        # pool (and the cache) alive after `del engine` until the cycle collector happens to run
+        self.runner, self.rows = weakref.proxy(runner), rows
         cache, d = runner.cache, runner.device
         # the inputs are views of one buffer, refilled by one host-to-device copy per step
         MB = runner.max_blocks
