@@ -10,7 +10,10 @@ any Python the thread runs then (or waits for: the event loop holds the GIL whil
 responses) adds to every request's latency. So a step's outputs cross to the event loop in one batch, one
 `call_soon_threadsafe` per step rather than one per request: each of those writes the loop's wake-up socket, and
 each such write releases the GIL to an event loop thread that then keeps it for up to a switch interval (5 ms).
-Everything per token (detokenizing, stop strings, JSON, SSE) happens on the event loop side.
+Everything per token (detokenizing, stop strings, JSON, SSE) happens on the event loop side, and, where the engine
+has an `on_launch` hook, while the device runs: the batch of step N is handed over once step N+1's forward is
+queued, not while the engine thread is still preparing it (the front end's work would then take the GIL from that
+preparation, with the device idle).
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class EngineRunner:
         self.stats: dict[str, Any] = dict(engine.stats)  # a copy taken after each step (read by /metrics)
         self.steps = 0
         self._stop = threading.Event()
+        self._launched = False  # engine thread only: the current step's forward is queued (its hook ran)
+        self._hooked = hasattr(engine, "on_launch")
+        if self._hooked:
+            engine.on_launch = self._on_launch
         self._thread = threading.Thread(target=self._loop, name="kimik3-engine", daemon=True)
         self._thread.start()
 
@@ -105,6 +112,11 @@ class EngineRunner:
                 pass
         self._outbox = {}
 
+    def _on_launch(self) -> None:
+        self._launched = True
+        if self._outbox:
+            self._flush()
+
     def _handle(self, kind: str, item: Any, extra: Any) -> None:
         if kind == "add":
             try:
@@ -136,10 +148,12 @@ class EngineRunner:
                     block = False
             except queue.Empty:
                 pass
-            if self._outbox:
-                self._flush()
             if self._stop.is_set() or not self.engine.has_unfinished():
+                self._flush()
                 continue
+            if not self._hooked:
+                self._flush()
+            self._launched = False
             try:
                 outputs = self.engine.step()
             except Exception as e:
@@ -151,13 +165,16 @@ class EngineRunner:
                 self._flush()
                 continue
             self.steps += 1
+            if not self._launched:  # no hook, or the step ran no forward: what it held back goes now
+                self._flush()
             for out in outputs:
                 target = self._sinks.get(out.request_id)
                 if target is not None:
                     self._send(target, out)
                     if out.finished:
                         self._done(out.request_id)
-            self._flush()
+            if not self._hooked or not self.engine.has_unfinished():  # no next forward to hand them over during
+                self._flush()
             self.stats = dict(self.engine.stats)
 
 

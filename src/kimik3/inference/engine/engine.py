@@ -13,6 +13,7 @@ the prefix cache -> sample (sampler.py) -> stop checks -> outputs of the request
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -106,6 +107,10 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.aborted: list[RequestState] = []  # final outputs the next step() returns
         self.counters = dict(aborts=0, prompt_tokens_total=0, generation_tokens_total=0)
+        # called once a step's forward is queued and before its results are waited for: a server hands the previous
+        # step's outputs to its front end then, so that formatting them overlaps the device, not this thread's
+        # preparation of the step (both need the GIL)
+        self.on_launch: Callable[[], None] | None = None
 
     def add_request(self, request: Request) -> None:
         p, ids = request.params, list(request.prompt_ids)
@@ -214,6 +219,8 @@ class Engine:
                 samplers.append((seq, len(rows) - 1))
             start += c.num_tokens
         logits, exports = self.runner.run(chunks, rows)
+        if self.on_launch is not None:
+            self.on_launch()
         n_chunk = {c.seq: c.num_tokens for c in chunks}
         if exports:
             self._snapshot_exports(chunks, exports)
