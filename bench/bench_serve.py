@@ -47,8 +47,10 @@ import torch
 
 SLICE_PROMPT, SLICE_OUTPUT, SLICE_LEVELS = 512, 128, (1, 8, 64)
 SMOKE_PROMPT, SMOKE_OUTPUT, SMOKE_LEVELS, SMOKE_SECONDS = 24, 6, (1, 2, 4, 8), 2.0
-# the 12-layer slice on the H200 (2026-12-01): a step of n decodes takes ~9 ms + 0.42 ms * n, a prompt token ~0.1 ms
-HOST_STEP_S, HOST_DECODE_S, HOST_PREFILL_S, HOST_DISPATCHES = 9e-3, 0.42e-3, 0.1e-3, 300
+# the 12-layer slice on the H200 (2026-12-01): a decode step of n sequences is ~8 ms + 0.44 ms * n of device time
+# (36 ms at 64) and ~9 ms of host time at 64 (ITL 44.7 ms in-process); a prompt token ~0.1 ms of device time
+HOST_STEP_S, HOST_DECODE_S, HOST_PREFILL_S = 8e-3, 0.44e-3, 0.1e-3
+HOST_PREP_S, HOST_POST_S = (1e-3, 0.06e-3), (0.5e-3, 0.04e-3)  # host time before the launch, after the sync: a + b*n
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -208,16 +210,18 @@ def build_slice_engine(check: bool = False):
 
 class HostEngine:
     """The engine contract without a model (for `--host`): chunked prefill under a token budget, one token per
-    running sequence per step, a sleep for the device time, outputs built as `Engine._output` builds them."""
+    running sequence per step; host work that holds the GIL (Python, with a torch dispatch every ~50 us as the
+    launches have) before the launch and after the sync, a sleep for the device time between them, outputs built as
+    `Engine._output` builds them; `on_launch` called once the step's device work is queued, as the engine does."""
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int = 2048):
         from collections import OrderedDict
 
         self.max_num_seqs, self.budget, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
-        self.requests: OrderedDict = OrderedDict()  # request id -> [request, prompt tokens computed, output ids]
+        self.requests: OrderedDict = OrderedDict()  # id -> [request, prompt tokens computed, output ids, logprobs]
         self.stats = {"running": 0, "waiting": 0}
-        self.aborted: list = []
         self.x = torch.zeros(8)
+        self.on_launch = None
 
     def add_request(self, request) -> None:
         self.requests[request.request_id] = [request, 0, [], []]
@@ -242,9 +246,14 @@ class HostEngine:
                 st[1], prefill, budget = done + n, prefill + n, budget - n
                 if st[1] == len(req.prompt_ids):
                     sampled.append(st)
-        for _ in range(HOST_DISPATCHES):
-            self.x.add_(1)
-        time.sleep(HOST_STEP_S + HOST_DECODE_S * decodes + HOST_PREFILL_S * prefill)
+        n = len(sampled)
+        self._host(HOST_PREP_S[0] + HOST_PREP_S[1] * n)
+        launched = time.perf_counter()  # the device runs from here, whatever this thread does next
+        if self.on_launch is not None:
+            self.on_launch()
+        device_s = HOST_STEP_S + HOST_DECODE_S * decodes + HOST_PREFILL_S * prefill
+        time.sleep(max(0.0, launched + device_s - time.perf_counter()))
+        self._host(HOST_POST_S[0] + HOST_POST_S[1] * n)
         outs = []
         for st in sampled:
             req, _, out, lps = st
@@ -260,6 +269,13 @@ class HostEngine:
                 del self.requests[req.request_id]
         self.stats = {"running": len(self.requests), "waiting": 0}
         return outs
+
+    def _host(self, seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for _ in range(3000):  # ~50 us of Python between two dispatches
+                pass
+            self.x.add_(1)
 
 
 class _StepClock:
