@@ -368,7 +368,7 @@ def main(smoke: bool, check: bool, host: bool, levels: tuple[int, ...] = SLICE_L
         results[f"inprocess c={c}"].update(_per_step(before, clock.snapshot()))
         results[f"prompts c={c}"] = (warm, prompts)
     del engine, clock
-    gc.collect()  # the engine's graphs refer back to it: freed only by the cycle collector
+    gc.collect()  # whatever else a cycle holds (the engine itself is freed by del), before the child starts
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     proc, url = _spawn([__file__, "--child"] + (["--check"] if check else []) + (["--host"] if host else []))
