@@ -6,7 +6,8 @@
 # Logs (and the benches' JSON) go to $OUT (default ./out/device). A step is stopped with SIGINT, so pytest and
 # the benches print what they have. Triton's autotuning results (*.autotune.json, a few KB) are restored from
 # .whl/tune.tgz when present and saved to $OUT/tune.tgz: copy that to .whl/ to spare the next machine the
-# minutes fla's kernels spend tuning. The fla wheel is installed from .whl/ when torch has no fla.
+# minutes fla's kernels spend tuning. The fla wheel is installed from .whl/ when torch has no fla. The steps' logs
+# and JSON come back packed in $OUT/results.tgz (the device returns at most 8 files), beside suite.log.
 set -uo pipefail
 budget=${1:?usage: device_suite.sh BUDGET_S STEP[:SECONDS] ...}
 shift
@@ -40,3 +41,6 @@ for spec in "$@"; do
     echo "== $name: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s (limit $limit s)" | tee -a "$out/suite.log"
 done
 (cd "$cache" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$out/tune.tgz" -T -) || true
+# the device returns at most 8 files: everything but the suite log and the tuning archive travels as one archive
+(cd "$out" && find . -maxdepth 1 -type f ! -name suite.log ! -name tune.tgz ! -name results.tgz -printf '%P\n' \
+    | tar czf results.tgz -T - --remove-files) || true
