@@ -341,8 +341,8 @@ class Engine:
     def _output(self, group: RequestState) -> RequestOutput:
         outs = []
         for seq in group.seqs:
-            out = seq.output
-            outs.append(SequenceOutput(seq.index, list(out), out[seq.reported:], seq.logprobs, seq.finish_reason,
+            out = seq.output  # a fresh list: no further copy (each step copies only what it must)
+            outs.append(SequenceOutput(seq.index, out, out[seq.reported:], seq.logprobs, seq.finish_reason,
                                        seq.stop_reason))
             seq.reported = len(out)
         # an aborted n > 1 request may end before its fork: with the one sequence it has
@@ -352,5 +352,7 @@ class Engine:
             self.requests.pop(group.request.request_id, None)
         metrics = dict(arrival=group.arrival, first_token=group.first_token, finished=group.finished_at,
                        queue_time=(group.first_scheduled or group.arrival) - group.arrival)
-        return RequestOutput(group.request.request_id, list(group.request.prompt_ids), outs, finished,
+        # the request's own prompt list, not a copy per step (a 4k-token prompt x 64 running requests was ~260k
+        # copied ids per step); the engine never modifies it
+        return RequestOutput(group.request.request_id, group.request.prompt_ids, outs, finished,
                              group.cached_tokens, group.prompt_logprobs, metrics)
