@@ -44,7 +44,13 @@ def test_batch_file_errors_name_the_line(tmp_path, capsys):
     assert "line 2" in err and "temperature" in err
     src.write_text('{"prompt": "a", "colour": 1}\n')
     assert main(["generate", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
-    assert "unknown keys ['colour']" in capsys.readouterr().err
+    assert "unknown keys: colour" in capsys.readouterr().err
+    src.write_text('{"prompt": "a", "temprature": 0.5}\n')
+    assert main(["generate", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "temprature (did you mean temperature?)" in capsys.readouterr().err
+    src.write_text('{"prompt": "a", "max_tokens": 3, "max_new_tokens": 4}\n')
+    assert main(["generate", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "give one of max_new_tokens" in capsys.readouterr().err
     assert main(["generate", "--input", str(src)]) == 2
     assert "--output" in capsys.readouterr().err
 
@@ -62,3 +68,13 @@ def test_batch_file_bad_prompts_name_the_line(tmp_path, capsys):
         assert main(["generate", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2, line
         err = capsys.readouterr().err
         assert f"--input {src} line 2: " in err and message in err and "generate-" not in err, (line, err)
+
+
+def test_batch_file_takes_openai_max_tokens(tmp_path):
+    """OpenAI's names for the output length, as a batch file written for the OpenAI API has them."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"prompt_ids": [5, 6, 7], "max_tokens": 3, "ignore_eos": true}\n'
+                   '{"prompt_ids": [8, 9], "max_completion_tokens": 2, "ignore_eos": true}\n')
+    assert main(["generate", "--input", str(src), "--output", str(dst), "--temperature", "0"]) == 0
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [len(o["choices"][0]["token_ids"]) for o in out] == [3, 2]

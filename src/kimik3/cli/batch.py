@@ -5,16 +5,20 @@ Each input line is one JSON object, one request:
     {"id": "q2", "messages": [{"role": "user", "content": "Hi"}]}    a chat (K3's chat format; "thinking": bool)
     {"prompt_ids": [8448, 17, 99]}                                   token ids as given
 plus any SamplingParams field to override the command's flags for that line ("max_new_tokens", "temperature",
-"n", "logprobs", "seed", "stop", ...). Each output line (in input order) holds the id (default: the line number),
-prompt_tokens, cached_tokens and the choices: index, text, token_ids, finish_reason (and logprobs when asked).
+"n", "logprobs", "seed", "stop", ...; OpenAI's "max_tokens" and "max_completion_tokens" mean max_new_tokens).
+Each output line (in input order) holds the id (default: the line number), prompt_tokens, cached_tokens and the
+choices: index, text, token_ids, finish_reason (and logprobs when asked).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import sys
 from pathlib import Path
+
+ALIASES = ("max_tokens", "max_completion_tokens")  # OpenAI's names for max_new_tokens
 
 
 def add_args(parser, source_group) -> None:
@@ -44,9 +48,17 @@ def read_requests(path: Path, base) -> list[tuple[str, dict, object, int]]:
         if not isinstance(obj, dict) or sum(k in obj for k in ("prompt", "messages", "prompt_ids")) != 1:
             raise ValueError(f"--input {path} line {no}: expected an object with exactly one of prompt, messages, "
                              "prompt_ids")
-        unknown = set(obj) - fields - {"id", "prompt", "messages", "prompt_ids", "thinking"}
+        aliases = [k for k in ALIASES if k in obj]
+        if len(aliases) + ("max_new_tokens" in obj) > 1:
+            raise ValueError(f"--input {path} line {no}: give one of max_new_tokens, {', '.join(ALIASES)}")
+        for k in aliases:
+            obj["max_new_tokens"] = obj.pop(k)
+        known = fields | {"id", "prompt", "messages", "prompt_ids", "thinking"}
+        unknown = sorted(set(obj) - known)
         if unknown:
-            raise ValueError(f"--input {path} line {no}: unknown keys {sorted(unknown)}")
+            hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, known, 1)) else k
+                     for k in unknown]
+            raise ValueError(f"--input {path} line {no}: unknown keys: {', '.join(hints)}")
         bad = _bad_prompt(obj)
         if bad:
             raise ValueError(f"--input {path} line {no}: {bad}")
