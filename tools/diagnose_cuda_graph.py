@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from kimik3.config import K3Config  # noqa: E402
-from kimik3.inference.cuda_graph import GraphedDecoder  # noqa: E402
+from kimik3.inference.cuda_graph import GraphedDecoder, eager_step  # noqa: E402
 from kimik3.model import K3ForCausalLM  # noqa: E402
 from kimik3.testing import randomize, rel_err, triton_first_config  # noqa: E402
 
@@ -130,13 +130,9 @@ def case(hooks):
     graph_rec = REC[2 * (len(REC) // 3):]
     REC = None
     tokens = torch.randint(0, 300, (4,), device="cuda")
-    position = torch.zeros(1, dtype=torch.long, device="cuda")
     for i in range(10):
-        position.fill_(ec.length)
-        step = ec.make_step(position, None, span=ec.max_length)
-        ec.length += 1
         REC = []
-        a = model(tokens[:, None], cache=ec, step=step)[:, -1]
+        a = eager_step(model, ec, tokens)
         eager_rec, REC = REC, None
         b = dec(tokens).clone()
         torch.cuda.synchronize()

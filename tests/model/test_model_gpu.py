@@ -9,7 +9,7 @@ import torch
 
 from kimik3.config import K3Config
 from kimik3.inference import SamplingParams, generate
-from kimik3.inference.cuda_graph import GraphedDecoder
+from kimik3.inference.cuda_graph import GraphedDecoder, eager_step
 from kimik3.model import K3ForCausalLM
 from tests.helpers import CONFIGS, randomize, rel_err, requires_cuda
 
@@ -86,13 +86,9 @@ def test_cuda_graph_decode_equals_eager(cfg, cpu_model):
     model(ids, cache=eager_cache), model(ids, cache=graph_cache)
     decoder = GraphedDecoder(model, graph_cache)
     tokens = torch.randint(0, 300, (4,), device="cuda")
-    position = torch.zeros(1, dtype=torch.long, device="cuda")
     for _ in range(10):
         # eager at the graph's static shapes (attention over the whole cache, masked): the same kernels
-        position.fill_(eager_cache.length)
-        step = eager_cache.make_step(position, None, span=eager_cache.max_length)
-        eager_cache.length += 1
-        a = model(tokens[:, None], cache=eager_cache, step=step)[:, -1]
+        a = eager_step(model, eager_cache, tokens)
         b = decoder(tokens).clone()
         assert rel_err(b.float(), a.float()) < 1e-6
         tokens = a.argmax(-1)

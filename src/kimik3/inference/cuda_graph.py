@@ -36,8 +36,7 @@ class GraphedDecoder:
         _restore(cache, saved)
 
     def _step(self) -> Tensor:
-        step = self.cache.make_step(self.position, None, span=self.cache.max_length)
-        return self.model(self.tokens, cache=self.cache, step=step)[:, -1]
+        return static_step(self.model, self.cache, self.tokens, self.position)
 
     def __call__(self, tokens_B: Tensor) -> Tensor:
         """Append one token per row; returns the [B, V] logits (a buffer overwritten by the next call)."""
@@ -48,6 +47,21 @@ class GraphedDecoder:
         self.cache.length += 1
         self.graph.replay()
         return self.logits
+
+
+def static_step(model: nn.Module, cache: HybridCache, tokens_B1: Tensor, position_1: Tensor) -> Tensor:
+    """The decode step a graph captures: tokens [B, 1] at device `position_1` [1], attending over the whole cache
+    (span = max_length, masked on the device); [B, V] logits. No host reads, so it is capturable as it stands."""
+    step = cache.make_step(position_1, None, span=cache.max_length)
+    return model(tokens_B1, cache=cache, step=step)[:, -1]
+
+
+def eager_step(model: nn.Module, cache: HybridCache, tokens_B: Tensor) -> Tensor:
+    """`GraphedDecoder`'s call run eagerly (the same kernels at the same shapes): append one token per row, return
+    the [B, V] logits. What a graphed step is checked against."""
+    position = torch.full((1,), cache.length, dtype=torch.long, device=cache.valid.device)
+    cache.length += 1
+    return static_step(model, cache, tokens_B.view(-1, 1), position)
 
 
 def _snapshot(cache: HybridCache) -> list[Tensor]:
