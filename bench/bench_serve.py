@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -279,26 +280,80 @@ class HostEngine:
 
 
 class _StepClock:
-    """Wraps an engine's `step` to time it and the engine thread's gaps between two steps (busy periods only)."""
+    """Wraps an engine's `step` to time it and the engine thread's gaps between two steps (busy periods only).
+
+    A watchdog thread samples the stepping thread's Python stack every 0.2 s while a step has run for more than
+    SLOW_STEP_S: a one-time stall (a compile, a library's per-shape plan) shows up as the place it spends its time,
+    and the snapshot reports the slow steps and those places."""
+
+    SLOW_STEP_S = 0.5
 
     def __init__(self, engine):
+        import collections
+        import threading
+
         self.engine, self.inner = engine, engine.step
         self.steps, self.in_step, self.between, self.last_end = 0, 0.0, 0.0, None
+        self.running: tuple[int, float] | None = None  # (thread id, start) of the step in progress
+        self.slow: list[tuple] = []  # (step index, sequences, packed tokens, seconds) of each slow step
+        self.stacks: collections.Counter = collections.Counter()  # innermost frames -> samples
+        self.shape = (0, 0)  # (sequences, packed tokens) of the step last scheduled
         engine.step = self.step
+        if hasattr(engine, "scheduler"):
+            schedule = engine.scheduler.schedule
+
+            def scheduled():
+                chunks = schedule()
+                self.shape = (len(chunks), sum(c.num_tokens for c in chunks))
+                return chunks
+
+            engine.scheduler.schedule = scheduled
+        # the thread holds the clock weakly: `del engine, clock` must still free the engine's GPU memory
+        threading.Thread(target=_StepClock._watch, args=(weakref.ref(self),), daemon=True,
+                         name="bench-watchdog").start()
 
     def step(self):
+        import threading
+
         t0 = time.perf_counter()
         if self.last_end is not None and t0 - self.last_end < 0.1:  # a longer gap is idle time, not host work
             self.between += t0 - self.last_end
+        self.running = (threading.get_ident(), t0)
         outs = self.inner()
+        self.running = None
         self.last_end = t1 = time.perf_counter()
         self.steps += 1
         self.in_step += t1 - t0
+        if t1 - t0 > self.SLOW_STEP_S:
+            self.slow.append((self.steps, *self.shape, round(t1 - t0, 3)))
         return outs
+
+    @staticmethod
+    def _watch(ref) -> None:
+        while True:
+            time.sleep(0.2)
+            clock = ref()
+            if clock is None:
+                return
+            clock._sample()
+            del clock  # not held across the sleep
+
+    def _sample(self) -> None:
+        import sys
+        import traceback
+
+        running = self.running
+        if running is None or time.perf_counter() - running[1] < self.SLOW_STEP_S:
+            return
+        frame = sys._current_frames().get(running[0])
+        if frame is not None:
+            inner = traceback.extract_stack(frame)[-6:]
+            self.stacks[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(inner))] += 1
 
     def snapshot(self) -> dict:
         return {"steps": self.steps, "in_step_s": self.in_step, "between_s": self.between,
-                "loop_cpu_s": time.thread_time()}  # called on the event loop thread
+                "loop_cpu_s": time.thread_time(),  # called on the event loop thread
+                "slow_steps": list(self.slow), "stall_stacks": self.stacks.most_common(8)}
 
 
 def serve_child(port: int, check: bool, host: bool = False) -> None:
@@ -410,9 +465,16 @@ def _get_json(url: str) -> dict:
 
 
 def _per_step(before: dict, after: dict) -> dict:
-    """Per engine step of one level: wall time in step(), engine-thread time between steps, event loop CPU."""
+    """Per engine step of one level: wall time in step(), engine-thread time between steps, event loop CPU; the
+    level's slow steps and where the stepping thread spent them (printed as they are found)."""
     n = max(1, after["steps"] - before["steps"])
-    return {"steps": after["steps"] - before["steps"],
+    slow = after["slow_steps"][len(before["slow_steps"]):]
+    stacks = [s for s in after["stall_stacks"] if s not in before["stall_stacks"]]
+    if slow:
+        print(f"  slow steps (index, sequences, tokens, s): {slow}", flush=True)
+        for where, samples in stacks:
+            print(f"    {samples} x {where}", flush=True)
+    return {"slow_steps": slow, "stall_stacks": stacks, "steps": after["steps"] - before["steps"],
             "step_ms": 1e3 * (after["in_step_s"] - before["in_step_s"]) / n,
             "between_ms": 1e3 * (after["between_s"] - before["between_s"]) / n,
             "loop_cpu_ms": 1e3 * (after["loop_cpu_s"] - before["loop_cpu_s"]) / n}

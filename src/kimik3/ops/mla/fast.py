@@ -9,14 +9,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # MATH: where efficient takes no input
 
 
 def mla_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: Tensor | None = None,
                   mask: Tensor | None = None) -> Tensor:
-    """SDPA (flash/cuDNN, qk 192 / v 128) per packed document, or with an explicit mask; reference contract."""
+    """SDPA (qk 192 / v 128): causal per packed document (cuDNN), or under an explicit mask (memory-efficient);
+    reference contract."""
     q_BHTK, k_BHSK, v_BHSV = (x.transpose(1, 2) for x in (q, k, v))
     if mask is not None:  # queries over a cache: the [B, T, S] mask broadcast over heads
-        o = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=mask[:, None], scale=scale)
+        # the memory-efficient kernel, not the default cuDNN one: the engine's steps are ragged (sequences, rows
+        # and key span change every step) and cuDNN builds a plan at each new shape, up to 2.1 s on an H200 at
+        # K3's widths, on the requests' critical path; the efficient kernel's first call takes <= 10 ms
+        # (bench/bench_sdpa_shapes.py; flash takes no mask)
+        with sdpa_kernel(MASKED_BACKENDS):
+            o = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=mask[:, None], scale=scale)
         return o.transpose(1, 2)
     if cu_seqlens is None:
         o = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, is_causal=True, scale=scale)
