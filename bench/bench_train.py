@@ -23,6 +23,9 @@ This is the count behind NeMo's 385 TFLOP/s (6 x active parameters + causal MLA 
 step, over 732 ms). KDA's delta rule is left out (as there); its recurrent-form count is reported alongside.
 
     PYTHONPATH=src:. python3 bench/bench_train.py      # device: table + $OUT/bench_train.json
+    ... --peer 'python3 peer/automodel_slice.py peer/config.json'   # the peer first, in the same call (copy the
+                                                       # script and config.json from ../shared into an untracked
+                                                       # folder so that they travel; install its two wheels)
     .venv/bin/python bench/bench_train.py --smoke      # CPU: configs/tiny.json, T=128, the same code path
 """
 
@@ -32,6 +35,8 @@ import argparse
 import dataclasses
 import datetime
 import os
+import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -66,7 +71,10 @@ from bench.train_parts import (  # noqa: E402
 from kimik3.model import K3ForCausalLM  # noqa: E402
 from kimik3.presets import load_config  # noqa: E402
 
-PEER = {"name": "NeMo AutoModel 0.7.0", "ms": 732.0, "tokens_per_s": 11189.0, "tflops": 385.0, "fraction": 0.56}
+PEER = {"name": "NeMo AutoModel 0.7.0", "ms": 732.0, "tokens_per_s": 11189.0, "tflops": 385.0, "fraction": 0.56,
+        "source": "design.md 6"}
+# the peer script's (../shared/peers/automodel_slice.py) forward+backward line
+PEER_LINE = re.compile(r"fwd\+bwd: ([\d.]+) ms at T=(\d+) -> [\d.]+ tok/s, ([\d.]+) TFLOP/s")
 TARGET = 1.2  # ours / peer, tokens per second
 
 
@@ -84,6 +92,27 @@ def fits_fp32_master(cfg, device: torch.device) -> tuple[bool, str]:
     if need > 0.75 * have:
         return False, f"fp32 weights + gradients alone are {need / 1e9:.0f} GB of the GPU's {have / 1e9:.0f} GB"
     return True, ""
+
+
+def measure_peer(command: str, timeout: float, T: int, rate: float) -> dict:
+    """Run the peer's script (a shell command) before our model takes the GPU and read its forward+backward line:
+    the peer's row of this run. Falls back to the recorded PEER (and says why) if the line does not come."""
+    log(f"peer: {command} (limit {timeout:.0f} s)")
+    try:
+        proc = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=timeout)
+        out, why = proc.stdout + proc.stderr, f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired as e:
+        out = "".join(x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        why = f"timed out after {timeout:.0f} s"
+    m = PEER_LINE.search(out)
+    if m is None or int(m.group(2)) != T:
+        log(f"peer: no fwd+bwd line at T={T} ({why}); keeping the recorded {PEER['ms']} ms. Its output ends:\n"
+            + out[-1500:])
+        return {**PEER, "attempted": why}
+    ms, tflops = float(m.group(1)), float(m.group(3))
+    log(f"peer: fwd+bwd {ms:.1f} ms")
+    return {**PEER, "ms": ms, "tokens_per_s": T / ms * 1e3, "tflops": tflops, "fraction": tflops * 1e12 / rate,
+            "source": "measured in this run"}
 
 
 def with_experts(cfg, E: int):
@@ -113,6 +142,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--truth-experts", type=int, default=16,
                     help="routed experts of the config copy for the fp32-truth report (0: skip; 16 = top-16 of 16:\n"
                          "every expert active, so no routing flip muddles the comparison)")
+    ap.add_argument("--peer", metavar="COMMAND",
+                    help="a shell command that runs the peer first, in the same call, e.g.\n"
+                         "'python3 peer/automodel_slice.py peer/config.json' (its fwd+bwd line replaces the\n"
+                         "recorded 732 ms)")
+    ap.add_argument("--peer-timeout", type=float, default=240.0)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rep", type=int, default=6)
     args = ap.parse_args()
@@ -135,9 +169,11 @@ def main() -> int:
     ceil = ceilings() if device.type == "cuda" else cpu_ceilings()
     rate = ceil["bf16_flops_per_s"]
     log(f"measured bf16 matmul rate {rate / 1e12:.1f} TFLOP/s")
+    # first: the peer has the GPU to itself, as it would alone
+    peer = measure_peer(args.peer, args.peer_timeout, T, rate) if args.peer else PEER
     precisions = ["bf16", "fp32-master"] if args.precision == "both" else [args.precision]
     acs = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
-    result = {"env": env, "ceilings": ceil, "config": args.config, "tokens": T, "batch": 1, "peer": PEER,
+    result = {"env": env, "ceilings": ceil, "config": args.config, "tokens": T, "batch": 1, "peer": peer,
               "target": TARGET, "loss_chunk_tokens": args.loss_chunk, "modes": {}, "skipped": {}}
 
     flops = None
@@ -213,6 +249,7 @@ def _fmt(x, spec: str, missing: str = "-") -> str:
 
 def summarize(result: dict, flops: dict | None, rate: float, T: int) -> bool:
     """Tables, the headline (fastest measured full-size step) and the ratio to the peer; True if checks pass."""
+    peer = result["peer"]
     if flops is None:
         print("nothing was measured", flush=True)
         return False
@@ -232,7 +269,7 @@ def summarize(result: dict, flops: dict | None, rate: float, T: int) -> bool:
                 rows.append([f"fwd+bwd {name}", r.get("error", "")[:40], "", "", "", "", ""])
                 continue
             rows.append([f"fwd+bwd {name}", *fb(r["ms"]), _fmt(r["peak_gib"], ".1f"),
-                         f"{T / r['ms'] * 1e3 / PEER['tokens_per_s']:.2f}x"])
+                         f"{T / r['ms'] * 1e3 / peer['tokens_per_s']:.2f}x"])
             if have_opt and (best is None or r["ms"] + extra < best["ms"]):
                 best = {"ms": r["ms"] + extra, "fwd_bwd_ms": r["ms"], "variant": name, "precision": prec,
                         "packed": r["packed"], "checkpointing": r["checkpointing"], "optimizer_phase_ms": phase,
@@ -255,9 +292,9 @@ def summarize(result: dict, flops: dict | None, rate: float, T: int) -> bool:
     if best is not None:
         how = "the optimizer phase" if best["optimizer_phase_ms"] is not None else "clip + AdamW + QB"
         rows.append([f"STEP = best fwd+bwd + {how} ({best['variant']})", *fb(best["ms"]), "",
-                     f"{T / best['ms'] * 1e3 / PEER['tokens_per_s']:.2f}x"])
-    rows.append([f"{PEER['name']} (design.md 6)", f"{PEER['ms']:.0f}", f"{PEER['tokens_per_s']:,.0f}",
-                 f"{PEER['tflops']:.0f}", f"{PEER['fraction']:.0%}", "", "1.00x"])
+                     f"{T / best['ms'] * 1e3 / peer['tokens_per_s']:.2f}x"])
+    rows.append([f"{peer['name']} ({peer['source']})", f"{peer['ms']:.0f}", f"{peer['tokens_per_s']:,.0f}",
+                 f"{peer['tflops']:.0f}", f"{peer['fraction']:.0%}", "", "1.00x"])
     for name, skip in result["skipped"].items():
         rows.append([f"{name}: skipped ({skip})", "", "", "", "", "", ""])
     title = (f"Training step, {result['config']}, B=1, T={T}: {total / 1e12:.2f} TFLOP of matmuls per step "
@@ -276,17 +313,17 @@ def summarize(result: dict, flops: dict | None, rate: float, T: int) -> bool:
     checks = [m["check"] for m in result["modes"].values() if "check" in m]
     if best is not None:
         fb_best = min(r["ms"] for m in result["modes"].values() for r in m["fwd_bwd"] if r["ms"] is not None)
-        ratio = T / best["ms"] * 1e3 / PEER["tokens_per_s"]
+        ratio = T / best["ms"] * 1e3 / peer["tokens_per_s"]
         best.update(tokens_per_s=T / best["ms"] * 1e3, tflops=total / best["ms"] * 1e-9,
                     fraction_of_bf16=total / best["ms"] * 1e3 / rate, ratio_tokens_per_s=ratio,
-                    ratio_without_optimizer=T / fb_best * 1e3 / PEER["tokens_per_s"], target_met=ratio >= TARGET)
+                    ratio_without_optimizer=T / fb_best * 1e3 / peer["tokens_per_s"], target_met=ratio >= TARGET)
         result["headline"] = best
         how = ("the trainer's optimizer phase" if best["optimizer_phase_ms"] is not None else
                f"AdamW fused{' in 4 parts' if best['adamw_parts'] == 4 else ''}")
         print(f"\nheadline: {best['variant']}, {how}: "
               f"{best['ms']:.1f} ms/step = {best['tokens_per_s']:,.0f} tokens/s, {best['tflops']:.4g} TFLOP/s "
               f"({best['fraction_of_bf16']:.0%} of the measured bf16 rate)\n"
-              f"ours / {PEER['name']}: {ratio:.2f}x tokens/s (forward+backward alone: "
+              f"ours / {peer['name']}: {ratio:.2f}x tokens/s (forward+backward alone: "
               f"{best['ratio_without_optimizer']:.2f}x); target >= {TARGET}x: "
               f"{'MET' if best['target_met'] else 'NOT MET'}", flush=True)
     for c in checks:

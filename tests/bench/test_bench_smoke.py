@@ -75,3 +75,16 @@ def test_training_step_bench_smoke(tmp_path):
     # the step adds the trainer's own optimizer phase (fused AdamW, clip folded in), not a sum of stand-ins
     assert h["optimizer_phase_ms"] > 0 and h["ms"] == h["fwd_bwd_ms"] + h["optimizer_phase_ms"]
     assert all(m["optimizer"]["trainer"]["folds_clipping"] for m in data["modes"].values())
+
+
+def test_training_step_bench_runs_the_peer_first(tmp_path):
+    """--peer: the peer's own script runs in the same call and its forward+backward line becomes the peer row; a
+    peer that prints no such line leaves the recorded row, marked as such."""
+    line = "AutoModel K3 slice train step fwd+bwd: 500.0 ms at T=128 -> 256 tok/s, 1 TFLOP/s (0% of 692)"
+    fast = ("--precision=bf16", "--checkpointing=off", "--no-unpacked")
+    _run("bench.bench_train", tmp_path, "--smoke", *fast, "--peer", f"{sys.executable} -c 'print(\"{line}\")'")
+    peer = json.loads((tmp_path / "bench_train_smoke.json").read_text())["peer"]
+    assert peer["source"] == "measured in this run" and peer["ms"] == 500.0 and peer["tokens_per_s"] == 256.0
+    _run("bench.bench_train", tmp_path, "--smoke", *fast, "--peer", f"{sys.executable} -c 'print(1)'")
+    peer = json.loads((tmp_path / "bench_train_smoke.json").read_text())["peer"]
+    assert peer["source"] == "design.md 6" and peer["ms"] == 732.0 and peer["attempted"] == "exit 0"
