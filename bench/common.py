@@ -80,6 +80,7 @@ def graphed(fn):
 
 def profile_top(fn, title: str, iters: int = 5, rows: int = 25) -> None:
     """Print the kernels fn() launches, by total device time over `iters` calls (torch.profiler; eager)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -90,8 +91,12 @@ def profile_top(fn, title: str, iters: int = 5, rows: int = 25) -> None:
             fn()
         sync()
     key = "self_device_time_total" if DEVICE.type == "cuda" else "self_cpu_time_total"
-    print(f"-- profile: {title} ({iters} calls)", flush=True)
-    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+    events = prof.key_averages()
+    # the launch count is what decode fusions cut (issue 18 counts "kernels per layer" before and after)
+    kernels = sum(e.count for e in events if e.device_type == DeviceType.CUDA) / iters
+    print(f"-- profile: {title} ({iters} calls" + (f", {kernels:.0f} kernels per call)" if DEVICE.type == "cuda"
+                                                  else ")"), flush=True)
+    print(events.table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
 
 
 def ceilings() -> dict:
