@@ -145,3 +145,59 @@ def test_metrics_and_stats(model):
     s = engine.stats
     assert s["prompt_tokens_total"] == 80 and s["generation_tokens_total"] == 3
     assert s["kda_snapshots"] >= 1 and s["kda_snapshot_bytes"] > 0 and 0 <= s["cache_usage"] <= 1
+
+
+class _Bytes:
+    """A byte-level tokenizer: token = one byte of UTF-8 text, `decode` replaces incomplete characters (as the real
+    one does); counts the tokens it decodes."""
+
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _first_stop_by_full_decode(decode, tokens, start, stops):
+    """What the engine did before: decode the whole output after each token."""
+    for end in range(start + 1, len(tokens) + 1):
+        text = decode(tokens[start:end])
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if hits:
+            return end, min(hits)[1]
+    return None
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_stop_hit_equals_decoding_the_whole_output(seed):
+    """`stop_hit` on a tail finds the same stop at the same token as the full decode, over multi-byte text split
+    into bytes (windows cut through characters), several stops, and stops that repeat earlier text."""
+    from kimik3.inference.engine.engine import stop_hit
+
+    gen = torch.Generator().manual_seed(seed)
+    alphabet = ["a", "b", " ", "é", "漢", "🙂", "\n"]
+    text = "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (300,), generator=gen).tolist())
+    tokens = [0, 1, 2] + list(text.encode())  # three prompt tokens, then the output's bytes
+    pick = torch.randint(0, len(text) - 8, (3,), generator=gen).tolist()
+    stops = [text[i: i + 1 + (i % 7)] for i in pick] + ["never"]
+    tok = _Bytes()
+    expected = _first_stop_by_full_decode(tok.decode, tokens, 3, stops)
+    found = None
+    for end in range(4, len(tokens) + 1):
+        hit = stop_hit(tok.decode, tokens[:end], 3, stops)
+        if hit is not None:
+            found = (end, hit)
+            break
+    assert found == expected
+
+
+def test_stop_hit_cost_does_not_grow_with_the_output():
+    """A 20,000-token output with a stop that never comes: the tokens decoded per check stay bounded (decoding the
+    whole output after each token would be 200 million)."""
+    from kimik3.inference.engine.engine import stop_hit
+
+    tok, tokens = _Bytes(), list(b"ab" * 10_000)
+    for end in range(1, len(tokens) + 1):
+        assert stop_hit(tok.decode, tokens[:end], 0, ["zz", "a b"]) is None
+    assert tok.decoded < 40 * len(tokens)

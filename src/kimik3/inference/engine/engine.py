@@ -324,9 +324,7 @@ class Engine:
             self._finish(seq)
 
     def _stop_string(self, seq: Sequence) -> str | None:
-        text = self.tokenizer.decode(seq.output)
-        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
-        return min(hits)[1] if hits else None
+        return stop_hit(self.tokenizer.decode, seq.tokens, seq.num_prompt, seq.params.stop)
 
     def _finish(self, seq: Sequence) -> None:
         """Snapshot the end state (prompt + output so far: the last sampled token is not computed yet), then
@@ -356,3 +354,26 @@ class Engine:
         # copied ids per step); the engine never modifies it
         return RequestOutput(group.request.request_id, group.request.prompt_ids, outs, finished,
                              group.cached_tokens, group.prompt_logprobs, metrics)
+
+
+def stop_hit(decode: Callable[[list[int]], str], tokens: list[int], start: int, stops: Seq[str]) -> str | None:
+    """The stop string that the text of tokens[start:] contains, checked after each new token (the one whose
+    occurrence begins first if several do); None if none.
+
+    Only a tail is decoded, so the cost per token does not grow with the output (decoding it all made a long
+    generation quadratic). Since the check runs after every token, a stop can only be new: it ends inside the
+    newest token's text and begins at most len(stop) characters before that. The window of tokens decoded
+    doubles until the text before the newest token is that long, plus a few characters for a cut through a
+    multi-byte character (garbled to U+FFFD at the window's start) -- or until it is the whole output.
+    """
+    need = max(map(len, stops)) + 4
+    newest = len(decode(tokens[-1:]))
+    n_out, w = len(tokens) - start, 2 * need
+    while True:
+        w = min(w, n_out)
+        text = decode(tokens[len(tokens) - w:])
+        if w == n_out or len(text) - newest >= need:
+            break
+        w *= 2
+    hits = [(text.find(s), s) for s in stops if s in text]
+    return min(hits)[1] if hits else None
