@@ -33,6 +33,7 @@ inflation of `step()` itself (its GIL waits), and the event loop thread's CPU ti
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import json
 import os
@@ -40,7 +41,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import traceback
 import weakref
 from pathlib import Path
 
@@ -289,9 +292,6 @@ class _StepClock:
     SLOW_STEP_S = 0.5
 
     def __init__(self, engine):
-        import collections
-        import threading
-
         self.engine, self.inner = engine, engine.step
         self.steps, self.in_step, self.between, self.last_end = 0, 0.0, 0.0, None
         self.running: tuple[int, float] | None = None  # (thread id, start) of the step in progress
@@ -313,8 +313,6 @@ class _StepClock:
                          name="bench-watchdog").start()
 
     def step(self):
-        import threading
-
         t0 = time.perf_counter()
         if self.last_end is not None and t0 - self.last_end < 0.1:  # a longer gap is idle time, not host work
             self.between += t0 - self.last_end
@@ -339,9 +337,6 @@ class _StepClock:
             del clock  # not held across the sleep
 
     def _sample(self) -> None:
-        import sys
-        import traceback
-
         running = self.running
         if running is None or time.perf_counter() - running[1] < self.SLOW_STEP_S:
             return
@@ -353,7 +348,7 @@ class _StepClock:
     def snapshot(self) -> dict:
         return {"steps": self.steps, "in_step_s": self.in_step, "between_s": self.between,
                 "loop_cpu_s": time.thread_time(),  # called on the event loop thread
-                "slow_steps": list(self.slow), "stall_stacks": self.stacks.most_common(8)}
+                "slow_steps": list(self.slow), "stall_stacks": dict(self.stacks)}
 
 
 def serve_child(port: int, check: bool, host: bool = False) -> None:
@@ -469,7 +464,7 @@ def _per_step(before: dict, after: dict) -> dict:
     level's slow steps and where the stepping thread spent them (printed as they are found)."""
     n = max(1, after["steps"] - before["steps"])
     slow = after["slow_steps"][len(before["slow_steps"]):]
-    stacks = [s for s in after["stall_stacks"] if s not in before["stall_stacks"]]
+    stacks = (collections.Counter(after["stall_stacks"]) - collections.Counter(before["stall_stacks"])).most_common(8)
     if slow:
         print(f"  slow steps (index, sequences, tokens, s): {slow}", flush=True)
         for where, samples in stacks:
