@@ -78,3 +78,13 @@ def test_batch_file_takes_openai_max_tokens(tmp_path):
     assert main(["generate", "--input", str(src), "--output", str(dst), "--temperature", "0"]) == 0
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [len(o["choices"][0]["token_ids"]) for o in out] == [3, 2]
+
+
+def test_batch_file_takes_a_single_stop_string(tmp_path):
+    """OpenAI's `stop` may be one string: the same request as a one-element list."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"prompt": "ROMEO:", "max_tokens": 40, "stop": "e"}\n'
+                   '{"prompt": "ROMEO:", "max_tokens": 40, "stop": ["e"]}\n')
+    assert main(["generate", "--input", str(src), "--output", str(dst), "--temperature", "0"]) == 0
+    one, listed = (json.loads(line)["choices"][0] for line in dst.read_text().splitlines())
+    assert one == listed and one["finish_reason"] == "stop" and "e" not in one["text"]

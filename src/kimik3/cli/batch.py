@@ -5,7 +5,8 @@ Each input line is one JSON object, one request:
     {"id": "q2", "messages": [{"role": "user", "content": "Hi"}]}    a chat (K3's chat format; "thinking": bool)
     {"prompt_ids": [8448, 17, 99]}                                   token ids as given
 plus any SamplingParams field to override the command's flags for that line ("max_new_tokens", "temperature",
-"n", "logprobs", "seed", "stop", ...; OpenAI's "max_tokens" and "max_completion_tokens" mean max_new_tokens).
+"n", "logprobs", "seed", "stop", ...; OpenAI's "max_tokens" and "max_completion_tokens" mean max_new_tokens, and
+"stop" may be one string, as OpenAI's).
 Each output line (in input order) holds the id (default: the line number), prompt_tokens, cached_tokens and the
 choices: index, text, token_ids, finish_reason (and logprobs when asked).
 """
@@ -53,6 +54,8 @@ def read_requests(path: Path, base) -> list[tuple[str, dict, object, int]]:
             raise ValueError(f"--input {path} line {no}: give one of max_new_tokens, {', '.join(ALIASES)}")
         for k in aliases:
             obj["max_new_tokens"] = obj.pop(k)
+        if isinstance(obj.get("stop"), str):  # OpenAI's stop is a string or a list of them
+            obj["stop"] = [obj["stop"]]
         known = fields | {"id", "prompt", "messages", "prompt_ids", "thinking"}
         unknown = sorted(set(obj) - known)
         if unknown:
