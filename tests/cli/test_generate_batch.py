@@ -88,3 +88,14 @@ def test_batch_file_takes_a_single_stop_string(tmp_path):
     assert main(["generate", "--input", str(src), "--output", str(dst), "--temperature", "0"]) == 0
     one, listed = (json.loads(line)["choices"][0] for line in dst.read_text().splitlines())
     assert one == listed and one["finish_reason"] == "stop" and "e" not in one["text"]
+
+
+def test_batch_output_dash_is_standard_output(tmp_path, capsys, monkeypatch):
+    """`--output -`: the result lines on stdout (for a pipe), the summary on stderr, no file named '-'."""
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt_ids": [5, 6], "max_tokens": 2, "ignore_eos": true}\n')
+    assert main(["generate", "--input", str(src), "--output", "-", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    (line,) = captured.out.splitlines()
+    assert json.loads(line)["id"] == "a" and "1 requests" in captured.err and not (tmp_path / "-").exists()

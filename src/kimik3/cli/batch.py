@@ -7,6 +7,7 @@ Each input line is one JSON object, one request:
 plus any SamplingParams field to override the command's flags for that line ("max_new_tokens", "temperature",
 "n", "logprobs", "seed", "stop", ...; OpenAI's "max_tokens" and "max_completion_tokens" mean max_new_tokens, and
 "stop" may be one string, as OpenAI's).
+`--output -` writes the results to standard output.
 Each output line (in input order) holds the id (default: the line number), prompt_tokens, cached_tokens and the
 choices: index, text, token_ids, finish_reason (and logprobs when asked).
 """
@@ -26,7 +27,8 @@ def add_args(parser, source_group) -> None:
     """The batch flags, added to `kimik3 generate` (--input joins its prompt-source group)."""
     source_group.add_argument("--input", metavar="FILE.jsonl",
                               help="batch mode: one request per line (see kimik3.cli.batch), through the engine")
-    parser.add_argument("--output", metavar="FILE.jsonl", help="batch mode: where the results go (one per line)")
+    parser.add_argument("--output", metavar="FILE.jsonl",
+                        help="batch mode: where the results go (one per line; - for standard output)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="batch mode: sequences running at once")
     parser.add_argument("--max-batched-tokens", type=int, default=1024, help="batch mode: tokens per engine step")
 
@@ -130,9 +132,14 @@ def run(args) -> int:
         outs = engine.generate(prompts, [p for _, _, p, _ in requests], progress=bar.update)
     finally:
         bar.close()
-    with open(args.output, "w", encoding="utf-8") as f:
-        for (rid, _, _, _), out in zip(requests, outs):
-            f.write(json.dumps(result(rid, out, tok), ensure_ascii=False) + "\n")
+    lines = (json.dumps(result(rid, out, tok), ensure_ascii=False) + "\n"
+             for (rid, _, _, _), out in zip(requests, outs))
+    if args.output == "-":  # standard output, for a pipe (the summary goes to stderr)
+        sys.stdout.writelines(lines)
+        sys.stdout.flush()
+    else:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.writelines(lines)
     s = engine.stats
     print(f"{len(outs)} requests, {s['prompt_tokens_total']} prompt tokens ({s['prefix_hit_tokens']} from the prefix "
           f"cache), {s['generation_tokens_total']} generated -> {args.output}", file=sys.stderr)
