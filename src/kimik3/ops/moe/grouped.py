@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kimik3.ops.backend import has_triton
 from kimik3.ops.situ import situ_glu
 
 
@@ -25,19 +26,36 @@ def expert_offsets(sorted_e: Tensor, num_experts: int) -> Tensor:
 
 
 def routed_experts(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
-                   beta: float, linear_beta: float) -> Tensor:
-    """Grouped-GEMM path of `kimik3.ops.moe.routed_experts` (same contract; bf16 on CUDA sm90+ or CPU)."""
+                   beta: float, linear_beta: float, fused: bool | None = None) -> Tensor:
+    """Grouped-GEMM path of `kimik3.ops.moe.routed_experts` (same contract; bf16 on CUDA sm90+ or CPU).
+
+    `fused` (default: on CUDA with Triton) moves the routed rows with `.combine`'s gather kernels instead of
+    autograd's scatter-adds and fp32 row copies (`reference_combine`); the sums are the same, in a fixed
+    order."""
     N, A = topk_idx.shape
+    fused = (z.is_cuda and has_triton()) if fused is None else fused
     # fp32 master weights under bf16 autocast: run the GEMMs in z's dtype, as autocast does for nn.Linear
     w1, w3, w2 = (w.to(z.dtype) for w in (w1, w3, w2))
     sorted_e, order = torch.sort(topk_idx.reshape(-1), stable=True)
     offs = expert_offsets(sorted_e, w1.shape[0])
     tok = order // A
-    x_ML = z[tok]
+    if fused:
+        from kimik3.ops.moe import combine  # lazily: triton exists only on GPU machines
+
+        inv_NA = combine.inverse(order, N, A)
+        x_ML = combine.dispatch(z, tok, inv_NA)
+    else:
+        x_ML = z[tok]
     g_MF = torch._grouped_mm(x_ML, w1.transpose(-2, -1), offs=offs)
     u_MF = torch._grouped_mm(x_ML, w3.transpose(-2, -1), offs=offs)
     h_MF = situ_glu(g_MF, u_MF, beta, linear_beta)
     y_ML = torch._grouped_mm(h_MF, w2.transpose(-2, -1), offs=offs)
-    w_M1 = topk_weight.reshape(-1)[order].float().unsqueeze(-1)
-    out_NL = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-    return out_NL.index_add(0, tok, y_ML.float() * w_M1).to(z.dtype)
+    return combine.combine(y_ML, inv_NA, topk_weight) if fused else reference_combine(y_ML, order, topk_weight)
+
+
+def reference_combine(y_ML: Tensor, order: Tensor, w_NA: Tensor) -> Tensor:
+    """[N, L] in y's dtype: each token's A sorted rows weighted in fp32 and summed with `index_add` into fp32."""
+    N, A = w_NA.shape
+    w_M1 = w_NA.reshape(-1)[order].float().unsqueeze(-1)
+    out_NL = torch.zeros(N, y_ML.shape[1], dtype=torch.float32, device=y_ML.device)
+    return out_NL.index_add(0, order // A, y_ML.float() * w_M1).to(y_ML.dtype)
