@@ -1,5 +1,6 @@
-"""The MoE router's logits: one bf16 tensor-core GEMM with fp32 output vs the fp32 reference, forward and
-forward+backward, at K3's gate shape (hidden 7168, 896 experts) over decode to training token counts, bf16.
+"""The MoE router at K3's gate shape (hidden 7168, 896 experts, top-16) over decode to training token counts: the
+logits as one bf16 tensor-core GEMM with fp32 output vs the fp32 reference (forward, forward+backward), and the
+expert selection as one Triton kernel vs the reference's sigmoid / topk / gather / renormalize (no gradient).
 
     PYTHONPATH=src:. python3 bench/bench_router.py            # device: table + $OUT/bench_router.json
     PYTHONPATH=src:. python3 bench/bench_router.py --smoke    # CPU check of this script at toy sizes
@@ -13,7 +14,7 @@ import torch
 
 from bench.common import DEVICE, environment, median_ms, table, write_json
 from kimik3.ops.backend import use_backend
-from kimik3.ops.router import router_logits
+from kimik3.ops.router import route, router_logits
 
 
 def main(smoke: bool = False) -> None:
@@ -36,6 +37,18 @@ def main(smoke: bool = False) -> None:
                      f"{r['torch fwd+bwd'] / r['auto fwd+bwd']:.1f}x"])
     table(f"router logits, D={D} E={E}, bf16 (ms: tensor-core GEMM / fp32 reference)",
           ["tokens", "fwd", "speed-up", "fwd+bwd", "speed-up"], rows)
+    select_rows, A = [], 2 if smoke else 16
+    bias = torch.randn(E, device=DEVICE, generator=g) * 0.01
+    for N in (1, *counts):
+        logits = torch.randn(N, E, device=DEVICE, generator=g)
+        r = {}
+        for name in ("auto", "torch"):
+            with use_backend(name), torch.no_grad():
+                r[name] = median_ms(lambda: route(logits, bias, A, True, 2.5))
+        results[f"select {N}"] = r
+        select_rows.append([N, f"{r['auto']:.4f}", f"{r['torch']:.4f}", f"{r['torch'] / r['auto']:.1f}x"])
+    table(f"router selection, E={E} top-{A} (ms, no gradient)", ["tokens", "fused", "reference", "speed-up"],
+          select_rows)
     write_json("bench_router", {"env": environment(), "results": results})
 
 

@@ -19,7 +19,7 @@ from kimik3.model.mlp import MLP
 from kimik3.model.norm import RMSNorm
 from kimik3.ops.moe import routed_experts, routed_experts_mxfp4
 from kimik3.ops.mxfp4 import encode, packed_shapes
-from kimik3.ops.router import router_logits
+from kimik3.ops.router import route, router_logits
 
 
 class Router(nn.Module):
@@ -39,12 +39,8 @@ class Router(nn.Module):
         # logit's error, so routing can differ from the reference's only on near-ties: a token whose A-th and
         # (A+1)-th biased scores lie that close may pick the other expert, as two fp32 summation orders could.
         # The correction bias still only selects, and QB balancing reads these scores as before.
-        scores_NE = torch.sigmoid(router_logits(x_ND, self.weight))
-        _, idx_NA = torch.topk(scores_NE.detach() + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)
-        w_NA = scores_NE.gather(-1, idx_NA)
-        if self.renormalize and self.top_k > 1:
-            w_NA = w_NA / (w_NA.sum(-1, keepdim=True) + 1e-20)
-        return idx_NA, w_NA * self.scaling, scores_NE
+        return route(router_logits(x_ND, self.weight), self.e_score_correction_bias, self.top_k, self.renormalize,
+                     self.scaling)
 
 
 class Experts(nn.Module):

@@ -1,5 +1,6 @@
-"""The MoE router's logits, x @ gate.weight^T in fp32: one public function; one tensor-core GEMM with fp32
-output on CUDA when both operands are bf16 (or both fp16), the fp32 reference elsewhere.
+"""The MoE router: its logits, x @ gate.weight^T in fp32 (one tensor-core GEMM with fp32 output on CUDA when both
+operands are bf16 or both fp16), and its expert selection (one Triton kernel per token row on CUDA when no
+gradient is asked for); the references elsewhere.
 
 Legend: N tokens, D hidden (K = D terms per logit), E experts.
 """
@@ -9,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kimik3.ops.backend import use_fast
-from kimik3.ops.router import reference
+from kimik3.ops.backend import has_triton, use_fast
+from kimik3.ops.router import reference, select_reference
 
-__all__ = ["router_logits"]
+__all__ = ["route", "router_logits"]
 
 
 def router_logits(x_ND: Tensor, w_ED: Tensor) -> Tensor:
@@ -34,3 +35,29 @@ def router_logits(x_ND: Tensor, w_ED: Tensor) -> Tensor:
 
         return tensor_core.router_logits(x_ND, w_ED)
     return reference.router_logits(x_ND, w_ED)
+
+
+def route(logits_NE: Tensor, bias_E: Tensor, top_k: int, renormalize: bool, scaling: float
+          ) -> tuple[Tensor, Tensor, Tensor]:
+    """Select each token's experts: sigmoid scores, the top_k of score + bias (the bias only selects), their
+    unbiased scores as weights, renormalized to sum 1 if asked (top_k > 1), times `scaling`.
+
+    Args:
+        logits_NE: [N, E] fp32 router logits.
+        bias_E: [E] fp32 `e_score_correction_bias`.
+        top_k, renormalize, scaling: K3's num_experts_per_token (16), renormalize (True), routed_scaling_factor.
+
+    Returns:
+        (idx [N, top_k] int64, w [N, top_k] fp32, scores [N, E] fp32). Differentiable in w and scores through the
+        logits on the reference path.
+
+    On CUDA with Triton, when no gradient is asked for (decode, prefill, evaluation), one kernel per row does it
+    all (the reference launches about seven kernels); its selection is the same set of experts, in descending
+    order of biased score, except where two biased scores tie within the sigmoid's last-ulp difference between
+    the two paths (as between any two summation orders of the logits, see `router_logits`).
+    """
+    if use_fast(logits_NE) and has_triton() and not (torch.is_grad_enabled() and logits_NE.requires_grad):
+        from kimik3.ops.router import select_triton  # lazily: triton exists only on GPU machines
+
+        return select_triton.route(logits_NE, bias_E, top_k, renormalize, scaling)
+    return select_reference.route(logits_NE, bias_E, top_k, renormalize, scaling)
