@@ -27,6 +27,7 @@ def _run(module: str, out, *args: str) -> None:
     ("bench_mla", {"B=1 S=64", "B=4 S=64"}),
     ("bench_situ", {"routed rows", "shared expert"}),
     ("bench_router", {"4", "32"}),
+    ("bench_rmsnorm", {"hidden", "latent", "decode"}),
 ])
 def test_smoke_run_writes_its_results(name, keys, tmp_path):
     _run(f"bench.{name}", tmp_path, "--smoke")

@@ -9,11 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-def _rms_normalize(x: Tensor, eps: float) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) in fp32: torch's rms_norm (one fused kernel on CUDA where torch has it, the
-    same arithmetic as the written-out form on the CPU: equal there bit for bit)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+from kimik3.ops.rmsnorm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +24,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.weight * _rms_normalize(x, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
