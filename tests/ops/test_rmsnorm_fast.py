@@ -86,3 +86,37 @@ def test_zero_rows_and_bad_weight():
 def test_cuda_matches_reference(D, rows):
     x, w, dy = inputs((rows, D), torch.bfloat16, torch.bfloat16, device="cuda", seed=D + rows)
     check(both(x, w, dy), torch.bfloat16)
+
+
+def test_gated_reference_on_cpu_is_the_written_out_form():
+    """`gated_rms_norm` off CUDA is the reference: rms(o) * weight * sigmoid(gate) in fp32, cast to o's dtype."""
+    from kimik3.ops.rmsnorm import gated_rms_norm
+
+    o, gate = torch.randn(3, 4, 128).bfloat16(), torch.randn(3, 4, 128).bfloat16()
+    w = torch.rand(128) + 0.5
+    of = o.float()
+    want = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + EPS) * w * gate.float().sigmoid()).bfloat16()
+    got = gated_rms_norm(o, gate, w, EPS)
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                    reason="needs CUDA and fla-core")
+@pytest.mark.parametrize("rows", [1, 8192 * 96])  # decode, and a training step's T * H rows of KDA heads
+def test_gated_cuda_matches_reference(rows):
+    from kimik3.ops.backend import use_backend
+    from kimik3.ops.rmsnorm import gated_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    o, gate, d_y = (torch.randn(rows, 128, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    w = torch.rand(128, device="cuda", generator=gen) + 0.5
+    runs = []
+    for backend in ("auto", "torch"):
+        oo, gg, ww = (t.clone().requires_grad_() for t in (o, gate, w))
+        with use_backend(backend):
+            y = gated_rms_norm(oo, gg, ww, EPS)
+        y.backward(d_y)
+        runs.append((y.detach(), oo.grad, gg.grad, ww.grad))
+    for a, b in zip(*runs):
+        assert a.dtype == b.dtype and rel_err(a, b) < 1e-2

@@ -6,10 +6,9 @@ Legend: D normalized width (any leading dims).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kimik3.ops.rmsnorm import rms_norm
+from kimik3.ops.rmsnorm import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -39,5 +38,4 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, o: Tensor, gate: Tensor) -> Tensor:
-        y = F.rms_norm(o.float(), (o.shape[-1],), self.weight.float(), self.eps) * torch.sigmoid(gate.float())
-        return y.to(o.dtype)
+        return gated_rms_norm(o, gate, self.weight, self.eps)

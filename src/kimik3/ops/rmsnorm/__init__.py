@@ -1,14 +1,14 @@
-"""RMSNorm (every norm of the text model but KDA's gated output norm): one public function; one fused Triton
-kernel each way on CUDA, the reference elsewhere."""
+"""The text model's RMSNorms: `rms_norm` (one fused Triton kernel each way on CUDA) and KDA's `gated_rms_norm`
+(fla-core's fused kernel on CUDA); the references elsewhere."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from kimik3.ops.backend import has_triton, use_fast
+from kimik3.ops.backend import has_fla, has_triton, use_fast
 from kimik3.ops.rmsnorm import reference
 
-__all__ = ["rms_norm"]
+__all__ = ["gated_rms_norm", "rms_norm"]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -33,3 +33,25 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
         return fast.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
+
+
+def gated_rms_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """KDA's output norm (`FusedRMSNormGated`, sigmoid): rms(o) * weight * sigmoid(gate), all in fp32.
+
+    Args:
+        o: [..., K] the delta rule's output per head.
+        gate: [..., K] the g_proj output, same shape.
+        weight: [K] the norm's gain (fp32 in K3: an fp32 island).
+        eps: rms_norm_eps.
+
+    Returns:
+        [..., K] in o's dtype; differentiable in o, gate and weight.
+
+    On CUDA with fla-core installed (unless `use_backend("torch")`): fla's fused kernel, one pass where the
+    reference makes about six (two fp32 copies, the norm, the sigmoid, the product, the cast).
+    """
+    if use_fast(o) and has_fla():
+        from kimik3.ops.rmsnorm import fla as fast  # lazily: fla exists only on GPU machines
+
+        return fast.gated_rms_norm(o, gate, weight, eps)
+    return reference.gated_rms_norm(o, gate, weight, eps)
