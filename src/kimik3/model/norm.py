@@ -6,14 +6,9 @@ Legend: D normalized width (any leading dims).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-def _rms_normalize(x: Tensor, eps: float) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) in fp32: torch's rms_norm (one fused kernel on CUDA where torch has it, the
-    same arithmetic as the written-out form on the CPU: equal there bit for bit)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+from kimik3.ops.rmsnorm import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.weight * _rms_normalize(x, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -43,5 +38,4 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, o: Tensor, gate: Tensor) -> Tensor:
-        y = F.rms_norm(o.float(), (o.shape[-1],), self.weight.float(), self.eps) * torch.sigmoid(gate.float())
-        return y.to(o.dtype)
+        return gated_rms_norm(o, gate, self.weight, self.eps)
