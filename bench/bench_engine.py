@@ -32,7 +32,7 @@ from kimik3.inference.cuda_graph import GraphedDecoder, static_step
 from kimik3.inference.engine import Engine, Request
 from kimik3.inference.engine.runner import _DecodeGraph
 from kimik3.model import K3ForCausalLM
-from kimik3.model.moe import LatentMoE
+from kimik3.model.moe import LatentMoE, relayout_experts
 from kimik3.presets import load_config
 
 SIZES = {  # mixed: requests, prompt range, output range, static batch; decode: context, steps; prefix tokens
@@ -182,10 +182,14 @@ def main(mode: str, which: tuple[str, ...] = ("decode", "prefix", "mixed"), prof
     # bytes moved at the measured copy rate, as bench_layer's roofline (a copy's rate counts its reads and writes;
     # halving it for read-only traffic put the floor above what generate() measured)
     bandwidth = ceilings()["copy_bytes_per_s"]
+    # counted on the stored experts, before `relayout_experts` may hand them to Humming's layout (as serve does)
+    roofs = {B: roofline_ms(model, B, s["context"], bandwidth) for B in s["batches"]}
+    results["experts"] = "humming" if relayout_experts(model) else "triton"
+    print(f"MXFP4 experts run {results['experts']}'s kernels", flush=True)
     for B in s["batches"] if "decode" in which else ():
         e = engine_decode_ms(model, B, s, graphs, profile)
         g = static_decode_ms(model, B, s, graphs, profile)
-        roof = roofline_ms(model, B, s["context"], bandwidth)
+        roof = roofs[B]
         results[f"decode B={B}"] = {"engine_ms": e, "generate_ms": g, "ratio": e / g, "roofline_ms": roof}
         rows.append([f"decode step B={B}, context {s['context']} (ms)", f"{e:.2f}", f"{g:.2f}", f"{e / g:.2f}x",
                      f"<= 1.2x; roofline {roof:.2f} ms = {roof / e:.0%}"])

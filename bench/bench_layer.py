@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.build import dense_bytes, expert_bytes, linear_flops, materialize
+from bench.build import dense_bytes, expert_bytes, experts_backend_of, linear_flops, materialize
 from bench.common import DEVICE, ceilings, environment, graphed, median_ms, profile_top, smoke_config, table, write_json
 from kimik3.model.cache import HybridCache
 from kimik3.model.decoder import DecoderLayer
@@ -33,11 +33,14 @@ def main(smoke: bool = False, profile: bool = False):
     latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
     ceil = ceilings()
     env, results, rows = environment(), {}, []
+    D, A = cfg.hidden_size, cfg.moe.num_experts_per_token
     for idx, kind in ((0, "KDA+MoE"), (1, "MLA+MoE")):
         with torch.device("meta"):
             layer = DecoderLayer(cfg, idx, torch.bfloat16)
         layer = materialize(layer, seed=idx).eval()
-        D, A = cfg.hidden_size, cfg.moe.num_experts_per_token
+        # counted on the stored MXFP4 experts, before `relayout_experts` may hand them to Humming's layout
+        dense, per_expert, flops = dense_bytes(layer), expert_bytes(layer), linear_flops(layer, prefill, A)
+        backend = experts_backend_of(layer)
         blocks = torch.randn(4, 64, 1, D, device=DEVICE, dtype=torch.bfloat16)
         for B in (1, 8, 64):
             cache = HybridCache(cfg, B, context + 1, torch.bfloat16, DEVICE)
@@ -56,7 +59,7 @@ def main(smoke: bool = False, profile: bool = False):
             # the state read and written: KDA's fp32 [H, K, K] per row, or MLA's bf16 latent row per cached token
             state = 2 * B * H * K * K * 4 if kind == "KDA+MoE" else 2 * B * (context + 1) * latent * 2
             touched = routed_experts_touched(layer, x)
-            nbytes = dense_bytes(layer) + touched * expert_bytes(layer) + state + 4 * 2 * B * D * 5
+            nbytes = dense + touched * per_expert + state + 4 * 2 * B * D * 5
             roof = nbytes / ceil["copy_bytes_per_s"] * 1e3
             results[f"{kind} decode B={B}"] = {"ms": ms, "bytes": nbytes, "roofline_ms": roof, "experts": touched}
             rows.append([kind, f"decode B={B}", f"{ms:.3f}", f"{roof:.3f}", f"{ms / roof:.2f}x",
@@ -67,7 +70,6 @@ def main(smoke: bool = False, profile: bool = False):
         ms = median_ms(lambda: layer(x, blocks1), 2, 10)
         if profile:
             profile_top(lambda: layer(x, blocks1), f"{kind} prefill T={T}", iters=2)
-        flops = linear_flops(layer, T, A)
         if kind == "MLA+MoE":
             qk, v = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
             flops += 2 * cfg.mla.num_heads * T * T * (qk + v) // 2  # causal attention: QK^T and PV, half the square
@@ -79,10 +81,10 @@ def main(smoke: bool = False, profile: bool = False):
         layer = None  # free the layer's weights before building the next
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
-    table(f"one real-dims layer (copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+    table(f"one real-dims layer, {backend} experts (copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 mm {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s)",
           ["layer", "case", "ms", "roofline ms", "ratio", "bytes/rate"], rows)
-    write_json("bench_layer", {"env": env, "ceilings": ceil, "results": results})
+    write_json("bench_layer", {"env": env, "ceilings": ceil, "experts": backend, "results": results})
 
 
 if __name__ == "__main__":

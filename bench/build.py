@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bench.common import DEVICE
-from kimik3.model.moe import MXFP4Experts, pack_experts
+from kimik3.model.moe import MXFP4Experts, pack_experts, relayout_experts
 
 
 @torch.no_grad()
@@ -34,6 +34,12 @@ def materialize(module: nn.Module, seed: int = 0) -> nn.Module:
         else:
             t.normal_(0.0, 0.02, generator=g)
     return module
+
+
+def experts_backend_of(module: nn.Module) -> str:
+    """Hand the module's MXFP4 experts to Humming's layout where KIMIK3_MOE_BACKEND picks it, as `kimik3 generate`
+    and `kimik3 serve` do (`relayout_experts`); returns the W4A16 kernels they will run: "humming" or "triton"."""
+    return "humming" if relayout_experts(module) else "triton"
 
 
 def expert_bytes(module: nn.Module) -> int:

@@ -7,6 +7,7 @@ path against the reference at K3's widths, CUDA-graph replay against eager, and 
 """
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -35,9 +36,12 @@ def test_backend_choice_cpu(monkeypatch):
     assert moe.mxfp4_backend(z, packed) == "triton"
     monkeypatch.setenv("KIMIK3_MOE_BACKEND", "auto")  # Humming where it can run: not on a CPU tensor
     assert moe.mxfp4_backend(z, packed) == "triton"
+    assert moe.experts_backend(z.device, torch.bfloat16, 3584, 3072) == "triton"
     monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")
     with pytest.raises(ValueError, match="KIMIK3_MOE_BACKEND=humming"):
         moe.mxfp4_backend(z, packed)
+    with pytest.raises(ValueError, match="KIMIK3_MOE_BACKEND=humming"):
+        moe.experts_backend(z.device, torch.bfloat16, 3584, 3072)
     # the choice is made on the fast path only: a CPU call takes the reference whatever is forced
     out = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
     assert torch.equal(out, reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA))
@@ -100,7 +104,7 @@ def test_humming_path_emulated_matches_reference(monkeypatch, N, A, E):
     idx, tw = routing(N, A, E, gen)
     packed, scales = mx_experts(E, L, F, gen)
     w1, w3, w2 = (decode(p, s, torch.bfloat16) for p, s in zip(packed, scales))
-    monkeypatch.setattr(humming, "_prepared", lambda packed, scales: (torch.cat([w1, w3], dim=1), w2))
+    monkeypatch.setattr(humming, "_prepared", lambda packed, scales: humming.Relaid(torch.cat([w1, w3], dim=1), w2, E, F))
     monkeypatch.setattr(humming, "_tuning", lambda layer, rows, device: ("{}", 16))
     monkeypatch.setattr(humming, "_gemm", lambda w, x, out, tables, top_k, tuning:
                         emulate_indexed(x, w, tables, top_k, out))
@@ -133,8 +137,11 @@ def _gpu_case(N, A, E, seed):
 def test_humming_matches_reference_gpu(N, monkeypatch, record_property):
     z, idx, tw, packed, scales = _gpu_case(N, 16, K3_DIMS["E"], seed=N)
     monkeypatch.delenv("KIMIK3_MOE_BACKEND", raising=False)
-    assert moe.mxfp4_backend(z, packed) == "triton"  # the default: Humming is opt-in (a second copy of the weights)
-    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "auto")
+    # stored bytes run Triton unless humming is forced (a second copy of the weights); auto (the default) gives
+    # Humming the experts that `relayout_experts` re-lays out
+    assert moe.mxfp4_backend(z, packed) == "triton"
+    assert moe.experts_backend(z.device, z.dtype, z.shape[1], packed[0].shape[1]) == "humming"
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")
     assert moe.mxfp4_backend(z, packed) == "humming"
     with use_backend("torch"):
         ref = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
@@ -203,3 +210,99 @@ def test_humming_relayout_once_and_again_after_an_update_gpu():
     out = humming.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
     assert getattr(packed[0], humming._CACHE)[1] is not layers
     assert rel_err(out, reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)) < 1e-2
+
+
+def _packed_moe(cfg, dtype, seed, device="cpu"):
+    """A LatentMoE of `cfg` with random weights and its experts MXFP4-packed."""
+    from kimik3.model.moe import LatentMoE, pack_experts
+    from tests.helpers import randomize
+
+    return pack_experts(randomize(LatentMoE(cfg, dtype), seed=seed).to(device)).eval()
+
+
+def test_relayout_experts_leaves_what_humming_cannot_run(tiny_config, monkeypatch):
+    """On the CPU (or with KIMIK3_MOE_BACKEND=triton) nothing is re-laid out; forced humming says why it cannot."""
+    from kimik3.model.moe import MXFP4Experts, relayout_experts
+
+    m = _packed_moe(tiny_config.text, torch.bfloat16, seed=3)
+    for choice in ("auto", "triton"):
+        monkeypatch.setenv("KIMIK3_MOE_BACKEND", choice)
+        assert relayout_experts(m) == 0 and isinstance(m.experts, MXFP4Experts)
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")
+    with pytest.raises(ValueError, match="KIMIK3_MOE_BACKEND=humming: Humming's MoE GEMM"):
+        relayout_experts(m)
+
+
+@needs_triton
+def test_relayout_experts_one_copy_emulated(tiny_config, monkeypatch):
+    """`relayout_experts` with Humming's re-layout and GEMM emulated in torch: the stored codes are gone (one copy),
+    the layer computes what it did, saving it and running it where Humming cannot both raise and say why."""
+    from kimik3.model.moe import MXFP4Experts, RelaidExperts, relayout_experts
+    from kimik3.ops.moe import humming
+
+    cfg = tiny_config.text
+    m = _packed_moe(cfg, torch.bfloat16, seed=4)
+    x = torch.randn(5, cfg.hidden_size).bfloat16()
+    before = m(x)
+    stored = m.experts
+    monkeypatch.setattr("kimik3.model.moe.experts_backend", lambda device, dtype, L, F: "humming")
+
+    def emulated_relayout(packed, scales):
+        w1, w3, w2 = (decode(p, s, torch.bfloat16) for p, s in zip(packed, scales))
+        return humming.Relaid(torch.cat([w1, w3], dim=1), w2, w1.shape[0], w1.shape[1])
+
+    monkeypatch.setattr(humming, "relayout", emulated_relayout)
+    assert relayout_experts(m) == 1 and isinstance(m.experts, RelaidExperts)
+    assert not any(isinstance(x, MXFP4Experts) for x in m.modules())
+    assert sys.getrefcount(stored) == 2  # this test's name and getrefcount's argument: the module let it go
+    with pytest.raises(RuntimeError, match="re-laid out for Humming.*cannot be saved"):
+        m.state_dict()
+    with pytest.raises(ValueError, match="re-laid out for Humming: its MoE GEMM needs a CUDA device"):
+        m(x)  # the real check: a CPU tensor
+    monkeypatch.setattr(humming, "unsupported_for", lambda device, dtype, L, F: None)
+    monkeypatch.setattr(humming, "_tuning", lambda layer, rows, device: ("{}", 16))
+    monkeypatch.setattr(humming, "_gemm", lambda w, x, out, tables, top_k, tuning:
+                        emulate_indexed(x, w, tables, top_k, out))
+    with torch.no_grad():
+        assert rel_err(m(x), before) < 1e-2
+    with pytest.raises(ValueError, match="inference only"):
+        m(x)  # with autograd recording: z requires grad through the trainable projections
+    assert "layout=humming" in repr(m.experts)
+
+
+@gpu
+@requires_cuda
+@needs_humming
+def test_relayout_experts_gpu(k3_config, monkeypatch):
+    """A K3-width MoE layer (32 experts) re-laid out in place: expert memory does not grow, the output equals the
+    two-copy Humming path bit for bit and the reference to bf16 level."""
+    import dataclasses
+
+    from kimik3.model.moe import RelaidExperts, relayout_experts
+
+    monkeypatch.delenv("KIMIK3_MOE_BACKEND", raising=False)
+    text = k3_config.text
+    cfg = dataclasses.replace(text, moe=dataclasses.replace(text.moe, num_experts=K3_DIMS["E"]))
+    m = _packed_moe(cfg, torch.bfloat16, seed=11, device="cuda")
+    x = torch.randn(64, cfg.hidden_size, device="cuda").bfloat16()
+    with torch.no_grad():
+        with use_backend("torch"):
+            ref = m(x)
+        monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")  # the two-copy path on the stored bytes
+        two_copies = m(x)
+        monkeypatch.delenv("KIMIK3_MOE_BACKEND")
+        for t in m.experts.buffers():
+            if hasattr(t, "_kimik3_humming"):
+                del t._kimik3_humming
+        torch.cuda.synchronize()
+        stored = sum(t.nbytes for t in m.experts.buffers())
+        before = torch.cuda.memory_allocated()
+        assert relayout_experts(m) == 1 and isinstance(m.experts, RelaidExperts)
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - before
+        print(f"stored experts {stored / 1e6:.1f} MB, Humming's layout {m.experts.relaid.nbytes() / 1e6:.1f} MB, "
+              f"allocated after - before {grown / 1e6:.1f} MB")
+        assert grown <= 0.05 * stored  # one copy: the stored codes were freed (Humming may add a small scale table)
+        out = m(x)
+    assert torch.equal(out, two_copies)
+    assert rel_err(out, ref) < 1e-2

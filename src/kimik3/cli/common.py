@@ -144,6 +144,7 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
     import kimik3
     from kimik3.config import K3Config
     from kimik3.inference.threads import pick_cpu_threads
+    from kimik3.model.moe import relayout_experts
     from kimik3.tokenizer import Tokenizer
 
     path = model_path(args)
@@ -159,6 +160,7 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
     if getattr(args, "parallel", None):
         return _load_parallel(args, path, dtype, device, text_only), tokenizer, path
     model = kimik3.load(path, dtype=dtype, device=device, text_only=text_only).eval()
+    relayout_experts(model)  # Humming's kernels where KIMIK3_MOE_BACKEND (auto) picks them: one copy, inference only
     if vision and not model.has_vision:
         raise ValueError(f"--image: the checkpoint at {path} holds no vision tower tensors (vision_tower.*): "
                          "it reads text only")

@@ -48,12 +48,14 @@ def build_engine(args, path):
     import kimik3
     from kimik3.cli.common import end_ids
     from kimik3.inference.engine import Engine
+    from kimik3.model.moe import relayout_experts
     from kimik3.tokenizer import Tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else None)
     tokenizer = Tokenizer.from_file(path)
     model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True).eval()
+    relayout_experts(model)  # Humming's kernels where KIMIK3_MOE_BACKEND (auto) picks them: one copy, inference only
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, prefix_cache_bytes=args.prefix_cache_bytes,
                     enable_prefix_cache=not args.no_prefix_cache, eos_token_ids=end_ids(model, tokenizer),

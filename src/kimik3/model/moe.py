@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from kimik3.config import TextConfig
 from kimik3.model.mlp import MLP
 from kimik3.model.norm import RMSNorm
-from kimik3.ops.moe import routed_experts, routed_experts_mxfp4
+from kimik3.ops.moe import experts_backend, routed_experts, routed_experts_mxfp4, routed_experts_relaid
 from kimik3.ops.mxfp4 import encode, packed_shapes
 from kimik3.ops.router import route, router_logits
 
@@ -79,6 +79,30 @@ class MXFP4Experts(nn.Module):
         return routed_experts_mxfp4(z_NL, idx_NA, w_NA, packed, scales, beta, linear_beta)
 
 
+class RelaidExperts(nn.Module):
+    """The routed experts in Humming's MoE GEMM layout (`kimik3.ops.moe.humming.Relaid`), built by
+    `relayout_experts` from an `MXFP4Experts` whose stored codes it replaces: inference only, bf16 on Hopper.
+
+    Not a checkpoint layout (Humming has no inverse transform): saving it raises instead of writing something
+    `kimik3.load` could not read.
+    """
+
+    def __init__(self, relaid):
+        super().__init__()
+        self.relaid = relaid
+
+    def forward(self, z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, beta: float, linear_beta: float) -> Tensor:
+        return routed_experts_relaid(z_NL, idx_NA, w_NA, self.relaid, beta, linear_beta)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        raise RuntimeError(f"{prefix or 'experts.'}: the routed experts were re-laid out for Humming's kernels "
+                           "(relayout_experts, for inference) and cannot be saved; load the checkpoint again to "
+                           "save or convert it")
+
+    def extra_repr(self) -> str:
+        return f"experts={self.relaid.num_experts}, width={self.relaid.width}, layout=humming"
+
+
 class LatentMoE(nn.Module):
     def __init__(self, cfg: TextConfig, dtype: torch.dtype | None = None):
         super().__init__()
@@ -122,3 +146,30 @@ def pack_experts(model: nn.Module) -> nn.Module:
                 getattr(new, f"{name}_scale").copy_(s)
         moe.experts = new
     return model
+
+
+@torch.no_grad()
+def relayout_experts(model: nn.Module) -> int:
+    """Re-lay out every `MXFP4Experts` of `model` for Humming's MoE GEMM where `kimik3.ops.moe.experts_backend`
+    picks it (KIMIK3_MOE_BACKEND, auto by default: bf16 experts at K3's widths on a Hopper GPU with
+    humming-kernels installed), in place, one layer at a time: the stored codes are dropped, so the experts stay
+    one copy (plus one layer's while it is made). Returns how many layers were re-laid out.
+
+    For inference: afterwards the model cannot be saved, trained, or run off that GPU (each says so).
+    """
+    from kimik3.ops.moe import humming
+
+    done = 0
+    for moe in [m for m in model.modules() if isinstance(m, LatentMoE)]:
+        ex = moe.experts
+        if not isinstance(ex, MXFP4Experts):
+            continue
+        E, F, L_half = ex.w1_packed.shape
+        dtype = moe.routed_expert_down_proj.weight.dtype
+        if experts_backend(ex.w1_packed.device, dtype, 2 * L_half, F) != "humming":
+            continue
+        relaid = humming.relayout((ex.w1_packed, ex.w3_packed, ex.w2_packed), (ex.w1_scale, ex.w3_scale, ex.w2_scale))
+        moe.experts = RelaidExperts(relaid)  # the last reference to the stored codes: freed here
+        del ex
+        done += 1
+    return done

@@ -5,18 +5,20 @@ CUDA tensors take the fast paths unless `kimik3.ops.backend.use_backend("torch")
 bf16/fp16 activations runs a W4A16 backend (inference only: with autograd recording a z that requires grad it
 takes the reference). Everything else runs `.reference`.
 
-The W4A16 backend (`mxfp4_backend`), imported on first use:
-    humming  Humming's MoE GEMM (`.humming`; the `gpu` extra's humming-kernels) when it is installed and the call
-             suits it: bf16 z on a compute capability 9.x device, L a multiple of 256 and F of 128 (K3's widths).
-             Measured on an H200 at K3's 896 experts, top-16 (2026-12-01, Humming's bench in one process with
-             ours): 1.42 / 6.04 / 12.62 ms at 16 / 256 / 4096 tokens against Triton's 1.85 / 7.30 / 25.63, so
-             `auto` chooses it at every token count.
-    triton   our Triton kernels (`.triton_mxfp4`): the default, and for fp16, other GPUs, other widths.
-The environment variable KIMIK3_MOE_BACKEND = triton (default) | auto | humming picks one; a forced humming that
-cannot run this call is an error that says why, not a silent fallback. Humming is opt-in for now because its
-re-laid-out weights are a second copy of the experts beside the stored ones (expert memory doubles; a device run
-with Humming picked by default ran out of memory building a second slice-12 engine): the default flips once the
-re-layout replaces the stored tensors at load time.
+The W4A16 backend, imported on first use:
+    humming  Humming's MoE GEMM (`.humming`; the `gpu` extra's humming-kernels) where it can run: bf16 z on a
+             compute capability 9.x device, L a multiple of 256 and F of 128 (K3's widths). Measured on an H200
+             at K3's 896 experts, top-16 (2026-12-01, one process with ours): 1.49 / 5.79 / 12.29 ms at 16 / 256 /
+             4096 tokens against Triton's 1.79 / 6.99 / 25.78, faster at every size measured.
+    triton   our Triton kernels (`.triton_mxfp4`): for fp16, other GPUs, other widths, and stored bytes.
+Humming wants its own weight layout. `routed_experts_relaid` runs experts already re-laid out (one copy:
+`kimik3.model.moe.relayout_experts` does this to a model for inference, where `experts_backend` picks humming).
+`routed_experts_mxfp4` on the stored bytes runs Triton, or Humming on a second copy kept beside them when forced.
+The environment variable KIMIK3_MOE_BACKEND picks:
+    auto     (default) re-laid-out experts where Humming can run; stored bytes run Triton (no second copy)
+    humming  as auto, and `routed_experts_mxfp4` on stored bytes runs Humming on a second copy; where Humming
+             cannot run it is an error that says why, not a silent fallback
+    triton   never Humming
 """
 
 from __future__ import annotations
@@ -77,6 +79,25 @@ def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packe
     return reference.routed_experts_mxfp4(z, topk_idx, topk_weight, packed, scales, beta, linear_beta)
 
 
+def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, relaid, beta: float,
+                          linear_beta: float) -> Tensor:
+    """`routed_experts_mxfp4` on experts in Humming's layout (`humming.relayout` of the packed codes and scales):
+    the same function, Humming's kernels only (its reference: `routed_experts_mxfp4` on the stored bytes).
+
+    Raises:
+        ValueError: a call Humming cannot run (see `humming.unsupported_for`), or one that asks for a gradient.
+    """
+    from kimik3.ops.moe import humming
+
+    why = humming.unsupported_for(z.device, z.dtype, z.shape[1], relaid.width)
+    if why is None and z.requires_grad and torch.is_grad_enabled():
+        why = "is inference only (a gradient was asked for)"
+    if why is not None:
+        raise ValueError(f"experts re-laid out for Humming: its MoE GEMM {why}; load the model again without "
+                         "relayout_experts (or with KIMIK3_MOE_BACKEND=triton) to run them elsewhere")
+    return humming.routed_experts_relaid(z, topk_idx, topk_weight, relaid, beta, linear_beta)
+
+
 MXFP4_BACKENDS = ("auto", "triton", "humming")
 
 
@@ -92,15 +113,21 @@ def has_humming() -> bool:
     return True
 
 
-def mxfp4_backend(z: Tensor, packed: tuple[Tensor, Tensor, Tensor]) -> str:
-    """"humming" or "triton": the W4A16 kernels `routed_experts_mxfp4` runs for these inputs on its fast path.
+def _choice() -> str:
+    choice = os.environ.get("KIMIK3_MOE_BACKEND", "auto")
+    if choice not in MXFP4_BACKENDS:
+        raise ValueError(f"KIMIK3_MOE_BACKEND must be one of {MXFP4_BACKENDS}, got {choice!r}")
+    return choice
+
+
+def experts_backend(device: torch.device, dtype: torch.dtype, L: int, F: int) -> str:
+    """"humming" or "triton": how experts of latent width L and expert width F, run in `dtype` on `device`, should
+    be held for inference (humming: re-laid out once, `relayout_experts`).
 
     Raises:
         ValueError: KIMIK3_MOE_BACKEND is not one of MXFP4_BACKENDS, or it forces humming where Humming cannot run.
     """
-    choice = os.environ.get("KIMIK3_MOE_BACKEND", "triton")
-    if choice not in MXFP4_BACKENDS:
-        raise ValueError(f"KIMIK3_MOE_BACKEND must be one of {MXFP4_BACKENDS}, got {choice!r}")
+    choice = _choice()
     if choice == "triton":
         return "triton"
     if not has_humming():
@@ -108,9 +135,21 @@ def mxfp4_backend(z: Tensor, packed: tuple[Tensor, Tensor, Tensor]) -> str:
     else:
         from kimik3.ops.moe import humming
 
-        why = humming.unsupported(z, packed)
+        why = humming.unsupported_for(torch.device(device), dtype, L, F)
     if why is None:
         return "humming"
     if choice == "humming":
         raise ValueError(f"KIMIK3_MOE_BACKEND=humming: Humming's MoE GEMM {why}")
     return "triton"
+
+
+def mxfp4_backend(z: Tensor, packed: tuple[Tensor, Tensor, Tensor]) -> str:
+    """"humming" or "triton": the W4A16 kernels `routed_experts_mxfp4` runs on stored bytes for these inputs on its
+    fast path: humming only where KIMIK3_MOE_BACKEND=humming (it keeps a second copy of the weights).
+
+    Raises:
+        ValueError: KIMIK3_MOE_BACKEND is not one of MXFP4_BACKENDS, or it forces humming where Humming cannot run.
+    """
+    if _choice() != "humming":
+        return "triton"
+    return experts_backend(z.device, z.dtype, z.shape[1], packed[0].shape[1])

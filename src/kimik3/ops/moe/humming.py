@@ -16,12 +16,15 @@ inputs, decoded exactly in the GEMM's main loop, fp32 accumulation, bf16 out. Pe
     combine  the Triton path's slot-order fp32 combine (`triton_mxfp4._combine_kernel`).
 Humming has no activation epilogue, so h makes one round trip through memory (M*3F*2 bytes).
 
-Humming wants its own weight layout: the first call re-lays out the codes and scales (`humming.transform`, a copy
-as large as the packed experts) and keeps the result on the w1 packed tensor, keyed by the six tensors' storage
-and version counters (`_prepared`): a module's buffers pay once, an in-place update (`copy_` by the loader)
-re-lays out on the next call. The first call at each routed-row count also picks Humming's tiles (its heuristics)
-and JIT-compiles them (seconds, cached on disk in HUMMING_CACHE_DIR); after that warm-up a call is CUDA-graph
-capturable.
+Humming wants its own weight layout (`relayout`: `humming.transform`, a copy as large as the packed experts).
+Two ways to hold it:
+    one copy   `relayout` once, drop the stored bytes, call `routed_experts_relaid` (what
+               `kimik3.model.moe.relayout_experts` does to a model for inference: expert memory unchanged).
+    two copies `routed_experts_mxfp4` on the stored bytes re-lays out on its first call and keeps the result on
+               the w1 packed tensor, keyed by the six tensors' storage and version counters (`_prepared`): a
+               module's buffers pay once, an in-place update (`copy_` by the loader) re-lays out on the next call.
+The first call at each routed-row count also picks Humming's tiles (its heuristics) and JIT-compiles them
+(seconds, cached on disk in HUMMING_CACHE_DIR); after that warm-up a call is CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -47,14 +50,30 @@ class _Layer(NamedTuple):
     tensors: dict[str, Tensor]  # Humming's weight, weight_scale (and weight_scale_2 where its transform adds one)
 
 
+class Relaid(NamedTuple):
+    """The routed experts in Humming's layout: [w1; w3] as one [E, 2F, L] layer and w2 [E, L, F]."""
+    w13: _Layer
+    w2: _Layer
+    num_experts: int  # E
+    width: int  # F
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in (self.w13, self.w2) for t in layer.tensors.values())
+
+
 def unsupported(z: Tensor, packed: tuple[Tensor, Tensor, Tensor]) -> str | None:
-    """Why Humming cannot run this call (None when it can): a bf16 CUDA z on compute capability 9.x, and widths
-    that need no padding (L a multiple of 256, F of 128: its N blocks and K blocks)."""
-    if not z.is_cuda or torch.cuda.get_device_capability(z.device)[0] != 9:
+    """Why Humming cannot run this call (None when it can): see `unsupported_for`."""
+    return unsupported_for(z.device, z.dtype, z.shape[1], packed[0].shape[1])
+
+
+def unsupported_for(device: torch.device, dtype: torch.dtype, L: int, F: int) -> str | None:
+    """Why Humming cannot run experts of latent width L and expert width F on `device` in `dtype` (None when it
+    can): bf16 on a CUDA device of compute capability 9.x, and widths that need no padding (L a multiple of 256,
+    F of 128: its N blocks and K blocks)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return "needs a CUDA device of compute capability 9.x (Hopper)"
-    if z.dtype != torch.bfloat16:
-        return f"needs bf16 activations, got {z.dtype}"
-    L, F = z.shape[1], packed[0].shape[1]
+    if dtype != torch.bfloat16:
+        return f"needs bf16 activations, got {dtype}"
     if L % 256 or F % 128:
         return f"needs L % 256 == 0 and F % 128 == 0, got L={L}, F={F}"
     return None
@@ -83,19 +102,25 @@ def _relayout(packed: Tensor, scale: Tensor, shape_n: int, shape_k: int) -> _Lay
     return _Layer(config, transform_humming_tensors(config, tensors))
 
 
-def _prepared(packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor]) -> tuple[_Layer, _Layer]:
-    """(w13, w2) in Humming's layout, made on the first call for these tensors and kept on packed[0]."""
+def relayout(packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor]) -> Relaid:
+    """The experts' MXFP4 codes and scales (as `routed_experts_mxfp4` takes them) in Humming's layout, a new copy
+    on their device (the inputs are not changed)."""
+    (w1p, w3p, w2p), (w1s, w3s, w2s) = packed, scales
+    E, F, L = w1p.shape[0], w1p.shape[1], w1p.shape[2] * 2
+    w13 = _relayout(torch.cat([w1p, w3p], dim=1), torch.cat([w1s, w3s], dim=1), 2 * F, L)
+    return Relaid(w13, _relayout(w2p, w2s, L, F), E, F)
+
+
+def _prepared(packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor]) -> Relaid:
+    """`relayout` of these tensors, made on the first call for them and kept on packed[0] (a second copy)."""
     key = tuple((t.data_ptr(), _version(t), tuple(t.shape)) for t in (*packed, *scales))
     cached = getattr(packed[0], _CACHE, None)
     if cached is not None and cached[0] == key:
         return cached[1]
     setattr(packed[0], _CACHE, None)  # a stale copy goes before the new one is made
-    (w1p, w3p, w2p), (w1s, w3s, w2s) = packed, scales
-    F, L = w1p.shape[1], w1p.shape[2] * 2
-    w13 = _relayout(torch.cat([w1p, w3p], dim=1), torch.cat([w1s, w3s], dim=1), 2 * F, L)
-    layers = (w13, _relayout(w2p, w2s, L, F))
-    setattr(packed[0], _CACHE, (key, layers))
-    return layers
+    relaid = relayout(packed, scales)
+    setattr(packed[0], _CACHE, (key, relaid))
+    return relaid
 
 
 def _tuning(layer: _Layer, rows: int, device: torch.device) -> tuple[str, int]:
@@ -164,16 +189,23 @@ def _situ_kernel(g13_ptr, h_ptr, n, F: tl.constexpr, beta, linear_beta, BLOCK: t
 
 def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: tuple[Tensor, Tensor, Tensor],
                          scales: tuple[Tensor, Tensor, Tensor], beta: float, linear_beta: float) -> Tensor:
-    """Humming path of `kimik3.ops.moe.routed_experts_mxfp4` (same contract; bf16 z on Hopper, see `unsupported`).
+    """Humming path of `kimik3.ops.moe.routed_experts_mxfp4` (same contract; bf16 z on Hopper, see `unsupported`),
+    on a re-laid-out copy of the weights kept beside them (`_prepared`).
 
     topk_idx must hold experts in [0, E) (not checked: that would need the host).
     """
+    return routed_experts_relaid(z, topk_idx, topk_weight, _prepared(packed, scales), beta, linear_beta)
+
+
+def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, relaid: Relaid, beta: float,
+                          linear_beta: float) -> Tensor:
+    """`routed_experts_mxfp4` on weights already in Humming's layout (`relayout`): the same function."""
     (N, L), A = z.shape, topk_idx.shape[1]
-    E, F = packed[0].shape[0], packed[0].shape[1]
+    E, F = relaid.num_experts, relaid.width
     M = N * A
     if M == 0:
         return torch.zeros_like(z)
-    w13, w2 = _prepared(packed, scales)
+    w13, w2 = relaid.w13, relaid.w2
     t13, bm13 = _tuning(w13, M, z.device)
     t2, bm2 = _tuning(w2, M, z.device)
     tables13 = _tables(topk_idx, E, bm13)
