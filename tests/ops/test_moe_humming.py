@@ -104,7 +104,8 @@ def test_humming_path_emulated_matches_reference(monkeypatch, N, A, E):
     idx, tw = routing(N, A, E, gen)
     packed, scales = mx_experts(E, L, F, gen)
     w1, w3, w2 = (decode(p, s, torch.bfloat16) for p, s in zip(packed, scales))
-    monkeypatch.setattr(humming, "_prepared", lambda packed, scales: humming.Relaid(torch.cat([w1, w3], dim=1), w2, E, F))
+    relaid = humming.Relaid(torch.cat([w1, w3], dim=1), w2, E, F)
+    monkeypatch.setattr(humming, "_prepared", lambda packed, scales: relaid)
     monkeypatch.setattr(humming, "_tuning", lambda layer, rows, device: ("{}", 16))
     monkeypatch.setattr(humming, "_gemm", lambda w, x, out, tables, top_k, tuning:
                         emulate_indexed(x, w, tables, top_k, out))
