@@ -14,8 +14,8 @@ import torch
 
 from kimik3.testing import randomize, rel_err
 
-__all__ = ["CONFIGS", "REPO", "free_port", "interpret_triton", "randomize", "rel_err", "requires_cuda",
-           "spying_safe_open"]
+__all__ = ["CONFIGS", "REPO", "free_port", "interpret_triton", "patch_interpreter_index", "randomize", "rel_err",
+           "requires_cuda", "spying_safe_open"]
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -29,6 +29,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def patch_interpreter_index(mp) -> None:
+    """Let Triton's interpreter loop over a runtime scalar (`range(0, n, BLOCK)` in a kernel), on MonkeyPatch mp.
+
+    Triton 3.6's interpreter indexes with `int(array of one)`, which numpy >= 2.4 refuses
+    (triton-lang/triton#9171, fixed upstream by #9172).
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    mp.setattr(interpreter, "_patch_lang_tensor", patched)
 
 
 def interpret_triton() -> bool:

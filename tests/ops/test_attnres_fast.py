@@ -16,7 +16,7 @@ import torch
 
 from kimik3.ops.attnres import attn_res_mix, reference
 from kimik3.ops.backend import use_backend
-from tests.helpers import interpret_triton, rel_err
+from tests.helpers import interpret_triton, patch_interpreter_index, rel_err
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 EPS = 1e-5
@@ -62,25 +62,14 @@ INTERPRET = not torch.cuda.is_available() and interpret_triton()
 
 @pytest.fixture(scope="module")
 def interp():
-    """`kimik3.ops.attnres.triton` with its kernels running in Triton's interpreter, on CPU tensors.
-
-    Triton 3.6's interpreter indexes with `int(array of one)`, which numpy >= 2.4 refuses
-    (triton-lang/triton#9171, fixed upstream by #9172): patched while this module's tests run.
-    """
+    """`kimik3.ops.attnres.triton` with its kernels running in Triton's interpreter, on CPU tensors (its loops over
+    runtime sizes need `patch_interpreter_index` while this module's tests run)."""
     if not INTERPRET:
         pytest.skip("needs triton, no CUDA, and triton not imported before this module")
-    from triton.runtime import interpreter
-
     from kimik3.ops.attnres import triton as fast
 
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_patch_lang_tensor", patched)
+        patch_interpreter_index(mp)
         yield fast
 
 

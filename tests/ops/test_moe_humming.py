@@ -16,13 +16,21 @@ from kimik3.ops import moe
 from kimik3.ops.backend import use_backend
 from kimik3.ops.moe import reference
 from kimik3.ops.mxfp4 import decode
-from tests.helpers import rel_err, requires_cuda
+from tests.helpers import patch_interpreter_index, rel_err, requires_cuda
 from tests.ops.test_moe_fast import mx_experts, poison_allocator, routing
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 BETA, LINEAR_BETA = 4.0, 25.0
 K3_DIMS = dict(E=32, L=3584, F=3072)  # K3's latent and expert widths, fewer experts
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (CPU: Triton's interpreter)")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_loops(monkeypatch):
+    """The one-program routing tables loop over runtime sizes: under Triton's interpreter (no CUDA) that needs
+    `patch_interpreter_index`."""
+    if HAS_TRITON and not torch.cuda.is_available():
+        patch_interpreter_index(monkeypatch)
 
 
 def test_backend_choice_cpu(monkeypatch):
@@ -90,6 +98,39 @@ def test_tables_cover_each_row_once_in_its_experts_blocks():
             rows = sorted_ids[b * bm:(b + 1) * bm].long()
             rows = rows[rows < M]
             assert rows.numel() > 0 and (flat[rows] == expert_ids[b]).all() and (rows.diff() > 0).all()
+
+
+TABLE_CASES = [(1, 1, 4, 16), (1, 16, 896, 16), (4, 16, 896, 8), (37, 3, 5, 16), (16, 16, 896, 32),
+               (64, 16, 896, 64), (50, 2, 2, 128), (9, 16, 20, 16)]
+
+
+def _check_fused_tables(N, A, E, bm, device):
+    from kimik3.ops.moe import humming
+
+    gen = torch.Generator().manual_seed(N * 131 + E + bm)
+    for trial in range(3):
+        idx, _ = routing(N, A, E, gen, device=device, empty=() if trial else tuple(range(0, E, 3)))
+        if trial == 2:  # many rows on few experts: long runs, several blocks per expert
+            idx = torch.randint(0, min(E, 3), (N * A,), generator=gen).view(N, A).to(device)
+        assert N * A <= humming.FUSED_TABLES_MAX_ROWS
+        got, want = humming._tables(idx, E, bm), humming._tables_reference(idx, E, bm)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype == torch.int32 and torch.equal(g, w)
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors run Triton only under its interpreter")
+@pytest.mark.parametrize("N,A,E,bm", TABLE_CASES)
+def test_fused_tables_equal_reference(N, A, E, bm):
+    """The one-program tables (up to 1,024 routed rows: decode) equal the torch reference's, entry for entry."""
+    _check_fused_tables(N, A, E, bm, "cpu")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("N,A,E,bm", TABLE_CASES)
+def test_fused_tables_equal_reference_gpu(N, A, E, bm):
+    _check_fused_tables(N, A, E, bm, "cuda")
 
 
 @needs_triton

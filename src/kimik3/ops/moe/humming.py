@@ -138,7 +138,73 @@ def _tuning(layer: _Layer, rows: int, device: torch.device) -> tuple[str, int]:
     return json.dumps(t), int(t["block_shape"][0])
 
 
+FUSED_TABLES_MAX_ROWS = 1024  # routed rows up to which `_tables` is one Triton program (decode: 64 tokens x 16)
+
+
 def _tables(topk_idx: Tensor, num_experts: int, bm: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`_tables_reference` (same tensors), as one Triton program up to FUSED_TABLES_MAX_ROWS routed rows: about
+    20 fewer kernels per call, which is what a decode step pays for them (a CUDA graph still launches each)."""
+    M = topk_idx.numel()
+    runnable = topk_idx.is_cuda or triton.knobs.runtime.interpret
+    if not (runnable and 0 < M <= FUSED_TABLES_MAX_ROWS):
+        return _tables_reference(topk_idx, num_experts, bm)
+    dev = topk_idx.device
+    cap = _cap(M, num_experts, bm)
+    sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(cap // bm, dtype=torch.int32, device=dev)
+    padded = torch.empty(1, dtype=torch.int32, device=dev)
+    m_pow2 = max(16, triton.next_power_of_2(M))
+    scratch = torch.empty(m_pow2, dtype=torch.int32, device=dev)
+    _tables_kernel[(1,)](topk_idx.reshape(-1), sorted_ids, expert_ids, padded, scratch, M, num_experts, cap,
+                         cap // bm, BM=bm, M_POW2=m_pow2, BLOCK=1024, num_warps=4)
+    return sorted_ids, expert_ids, padded
+
+
+def _cap(M: int, num_experts: int, bm: int) -> int:
+    """A bound on the padded length for any routing of M rows: M + min(E, M) * (bm - 1), rounded up to bm."""
+    return -(-(M + min(num_experts, M) * (bm - 1)) // bm) * bm
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _tables_kernel(idx_ptr, sorted_ids_ptr, expert_ids_ptr, padded_ptr, scratch_ptr, M, E, cap, num_blocks,
+                   BM: tl.constexpr, M_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: `_tables_reference` for M <= M_POW2 routed rows.
+
+    The rows sorted by key = expert * M_POW2 + row (distinct keys, so ascending rows within an expert, as the
+    stable sort); rank = place within its expert's run; the padding an expert's run adds, (BM - count % BM) % BM,
+    sits on its last row, and a row's padded place is its sorted place plus the padding of the runs before it.
+    """
+    for start in range(0, cap, BLOCK):  # sentinels and the clamp value first; the scatter below overwrites
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(sorted_ids_ptr + offs, tl.zeros([BLOCK], tl.int32) + M, mask=offs < cap)
+    for start in range(0, num_blocks, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(expert_ids_ptr + offs, tl.zeros([BLOCK], tl.int32) + E - 1, mask=offs < num_blocks)
+    r = tl.arange(0, M_POW2)
+    valid = r < M
+    e = tl.load(idx_ptr + r, mask=valid, other=E).to(tl.int32)  # padding rows sort last, past the M valid ones
+    key = tl.sort(e * M_POW2 + r)
+    se, row = key // M_POW2, key % M_POW2
+    tl.store(scratch_ptr + r, se)
+    tl.debug_barrier()  # the neighbours' experts, read back across threads of this program
+    prev = tl.load(scratch_ptr + r - 1, mask=r > 0, other=-1)
+    nxt = tl.load(scratch_ptr + r + 1, mask=r + 1 < M, other=-1)
+    run_start = tl.associative_scan(tl.where(se != prev, r, 0), 0, _max)
+    rank = r - run_start
+    pad = tl.where(valid & (se != nxt), (BM - (rank + 1) % BM) % BM, 0)
+    pos = r + tl.cumsum(pad, 0) - pad
+    tl.debug_barrier()  # the fills above land before the scatter
+    tl.store(sorted_ids_ptr + pos, row, mask=valid)
+    tl.store(expert_ids_ptr + pos // BM, se, mask=valid)
+    tl.store(padded_ptr, M + tl.sum(pad, 0))
+
+
+def _tables_reference(topk_idx: Tensor, num_experts: int, bm: int) -> tuple[Tensor, Tensor, Tensor]:
     """Humming's INDEXED routing tables, without a host sync.
 
     Returns sorted_ids int32 [cap]: the flat rows of expert 0, then expert 1 ..., each expert's run padded to a
@@ -154,7 +220,7 @@ def _tables(topk_idx: Tensor, num_experts: int, bm: int) -> tuple[Tensor, Tensor
     sorted_e, order = torch.sort(flat, stable=True)
     # a row's place: its expert's padded start plus its rank among that expert's rows
     pos = (pad_end - padded - counts.cumsum(0) + counts)[sorted_e] + torch.arange(M, device=dev)
-    cap = -(-(M + min(num_experts, M) * (bm - 1)) // bm) * bm
+    cap = _cap(M, num_experts, bm)
     sorted_ids = torch.full((cap,), M, dtype=torch.int32, device=dev)
     sorted_ids[pos] = order.to(torch.int32)
     block_start = torch.arange(0, cap, bm, device=dev)
