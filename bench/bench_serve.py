@@ -196,7 +196,7 @@ def synthetic_tokenizer(vocab_size: int):
 
 
 def build_slice_engine(check: bool = False):
-    from bench.build import materialize
+    from bench.build import experts_backend_of, materialize
     from bench.common import smoke_config
     from kimik3.inference.engine import Engine
     from kimik3.model import K3ForCausalLM
@@ -206,6 +206,7 @@ def build_slice_engine(check: bool = False):
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, torch.bfloat16)
     model = materialize(model).eval()
+    experts_backend_of(model)  # Humming's layout where `kimik3 serve` would pick it (both sides of the comparison)
     tok = synthetic_tokenizer(cfg.vocab_size)
     engine = Engine(model, max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=2048,
                     eos_token_ids=(tok.eos_id,), model_id="bench-slice-12")
