@@ -110,6 +110,16 @@ def test_generate_rejects_bad_values_before_loading(text_ckpt, capsys, extra, me
     assert rc == 2 and message in err and "Traceback" not in err, err
 
 
+def test_a_misspelt_moe_backend_stops_before_loading(text_ckpt, capsys, monkeypatch):
+    import kimik3
+
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "hummingbird")
+    monkeypatch.setattr(kimik3, "load", lambda *a, **k: pytest.fail("loaded before checking KIMIK3_MOE_BACKEND"))
+    for command in (["generate", "--prompt", "x"], ["serve", "--port", "0"]):
+        rc, _, err = run([command[0], "--model", str(text_ckpt), *command[1:]], capsys)
+        assert rc == 2 and "KIMIK3_MOE_BACKEND must be one of" in err and "Traceback" not in err, err
+
+
 def test_generate_bad_files(text_ckpt, capsys, tmp_path):
     binary, empty, notes = tmp_path / "p.bin", tmp_path / "empty.txt", tmp_path / "notes.png"
     binary.write_bytes(b"\xff\xfe\xfa\x00")

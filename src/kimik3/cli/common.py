@@ -145,12 +145,14 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
     from kimik3.config import K3Config
     from kimik3.inference.threads import pick_cpu_threads
     from kimik3.model.moe import relayout_experts
+    from kimik3.ops.moe import backend_choice
     from kimik3.tokenizer import Tokenizer
 
     path = model_path(args)
     cfg = K3Config.from_file(path / "config.json")
     check_request(args, cfg, images=bool(vision))
     sampling_params(args)  # bad sampling values fail before the (long) load
+    backend_choice()  # and a misspelt KIMIK3_MOE_BACKEND
     tokenizer = _tokenizer(Tokenizer, path)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None

@@ -87,9 +87,11 @@ def run(args) -> int:
     except ImportError as e:
         raise ValueError(f"kimik3 serve needs the serve extra (pip install 'kimik3[serve]'): {e}") from None
     from kimik3.cli.common import model_path
+    from kimik3.ops.moe import backend_choice
 
     path = model_path(args)
     _check_address(args.host, args.port)
+    backend_choice()  # a misspelt KIMIK3_MOE_BACKEND fails before the (long) load, not in its thread
     # our own loggers at the asked level; torch's and other libraries' stay at warnings
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kimik3").setLevel(args.log_level.upper())

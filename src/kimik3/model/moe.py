@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from kimik3.config import TextConfig
 from kimik3.model.mlp import MLP
 from kimik3.model.norm import RMSNorm
-from kimik3.ops.moe import experts_backend, routed_experts, routed_experts_mxfp4, routed_experts_relaid
+from kimik3.ops.moe import backend_choice, experts_backend, routed_experts, routed_experts_mxfp4, routed_experts_relaid
 from kimik3.ops.mxfp4 import encode, packed_shapes
 from kimik3.ops.router import route, router_logits
 
@@ -159,6 +159,7 @@ def relayout_experts(model: nn.Module) -> int:
     """
     from kimik3.ops.moe import humming
 
+    backend_choice()  # a misspelt KIMIK3_MOE_BACKEND is an error even where there is nothing to re-lay out
     done = 0
     for moe in [m for m in model.modules() if isinstance(m, LatentMoE)]:
         ex = moe.experts

@@ -113,7 +113,8 @@ def has_humming() -> bool:
     return True
 
 
-def _choice() -> str:
+def backend_choice() -> str:
+    """KIMIK3_MOE_BACKEND, checked: one of MXFP4_BACKENDS ("auto" when unset); ValueError otherwise."""
     choice = os.environ.get("KIMIK3_MOE_BACKEND", "auto")
     if choice not in MXFP4_BACKENDS:
         raise ValueError(f"KIMIK3_MOE_BACKEND must be one of {MXFP4_BACKENDS}, got {choice!r}")
@@ -127,7 +128,7 @@ def experts_backend(device: torch.device, dtype: torch.dtype, L: int, F: int) ->
     Raises:
         ValueError: KIMIK3_MOE_BACKEND is not one of MXFP4_BACKENDS, or it forces humming where Humming cannot run.
     """
-    choice = _choice()
+    choice = backend_choice()
     if choice == "triton":
         return "triton"
     if not has_humming():
@@ -150,6 +151,6 @@ def mxfp4_backend(z: Tensor, packed: tuple[Tensor, Tensor, Tensor]) -> str:
     Raises:
         ValueError: KIMIK3_MOE_BACKEND is not one of MXFP4_BACKENDS, or it forces humming where Humming cannot run.
     """
-    if _choice() != "humming":
+    if backend_choice() != "humming":
         return "triton"
     return experts_backend(z.device, z.dtype, z.shape[1], packed[0].shape[1])
