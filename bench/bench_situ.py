@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import DEVICE, ceilings, environment, median_ms, table, write_json
+from bench.common import DEVICE, FUSED_COLUMNS, ceilings, environment, fused_rows, median_ms, table, write_json
 from kimik3.ops.backend import use_backend
 from kimik3.ops.situ import situ_glu
 
@@ -42,12 +42,8 @@ def main(smoke: bool = False):
         out = situ_glu(gate, up, BETA, LINEAR_BETA).float()
         errors[name] = float((out - ref.float()).norm() / ref.float().norm())
         results[name] = {**res, **{f"floor {k} ms": v for k, v in floors.items()}}
-        for kind in ("fwd", "fwd+bwd"):
-            fast, ref_ms = res[f"auto {kind}"], res[f"torch {kind}"]
-            rows.append([f"{name} {list(shape)}", kind, f"{ref_ms:.3f}", f"{fast:.3f}", f"{ref_ms / fast:.1f}x",
-                         f"{floors[kind] / fast:.0%}", f"{errors[name]:.1e}"])
-    table(f"SiTU-GLU, bf16 (copy {copy / 1e12:.2f} TB/s), median ms",
-          ["shape", "pass", "reference", "fused", "speedup", "of bytes floor", "rel err"], rows)
+        rows += fused_rows(name, shape, res, floors, errors[name])
+    table(f"SiTU-GLU, bf16 (copy {copy / 1e12:.2f} TB/s), median ms", FUSED_COLUMNS, rows)
     write_json("bench_situ", {"env": environment(), "results": results, "rel_err": errors})
 
 

@@ -123,6 +123,20 @@ def environment() -> dict:
             "python": platform.python_version()}
 
 
+FUSED_COLUMNS = ["shape", "pass", "reference", "fused", "speedup", "of bytes floor", "rel err"]
+
+
+def fused_rows(name: str, shape, res: dict, floors: dict, error: float) -> list[list[str]]:
+    """A fused kernel's two table rows (fwd, fwd+bwd; columns FUSED_COLUMNS) against its reference: res holds the
+    medians "auto PASS" (fused) and "torch PASS" (reference), floors the bytes floor of each pass, in ms."""
+    rows = []
+    for kind in ("fwd", "fwd+bwd"):
+        fast, ref_ms = res[f"auto {kind}"], res[f"torch {kind}"]
+        rows.append([f"{name} {list(shape)}", kind, f"{ref_ms:.3f}", f"{fast:.3f}", f"{ref_ms / fast:.1f}x",
+                     f"{floors[kind] / fast:.0%}", f"{error:.1e}"])
+    return rows
+
+
 def table(title: str, headers: list[str], rows: list[list]) -> str:
     cells = [[str(c) for c in r] for r in [headers, *rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]

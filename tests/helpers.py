@@ -14,14 +14,23 @@ import torch
 
 from kimik3.testing import randomize, rel_err
 
-__all__ = ["CONFIGS", "REPO", "free_port", "interpret_triton", "patch_interpreter_index", "randomize", "rel_err",
-           "requires_cuda", "spying_safe_open"]
+__all__ = ["CONFIGS", "HAS_TRITON", "REPO", "free_port", "interpret_triton", "needs_cuda_triton", "needs_interpreter",
+           "patch_interpreter_index", "randomize", "rel_err", "requires_cuda", "spying_safe_open"]
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 # with the `gpu` marker on device tests: `pytest -m gpu` on a machine without CUDA skips them rather than failing
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# a fused kernel's CPU tests run under Triton's interpreter (tests/conftest.py switches it on before triton is
+# imported); its GPU tests need CUDA and triton
+needs_interpreter = pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
+                                       reason="needs triton (CPU: run under Triton's interpreter)")
+needs_cuda_triton = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON,
+                                       reason="needs CUDA and triton")
 
 
 def free_port() -> int:

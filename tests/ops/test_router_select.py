@@ -5,20 +5,12 @@ installed, else skipped. GPU (`-m gpu`): the CUDA kernel at K3's size, and the d
 gradient is asked for).
 """
 
-import importlib.util
-
 import pytest
 import torch
 
 from kimik3.ops.router import select_reference
-from tests.helpers import interpret_triton
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not torch.cuda.is_available():
-    assert interpret_triton(), "Triton's interpreter must be on before triton is imported (tests/conftest.py)"
-needs_interpreter = pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
-                                       reason="needs triton (CPU: run under Triton's interpreter)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
+from tests.helpers import needs_cuda_triton as needs_cuda
+from tests.helpers import needs_interpreter
 
 
 def case(N, E, device="cpu", seed=0):
