@@ -157,8 +157,6 @@ def relayout_experts(model: nn.Module) -> int:
 
     For inference: afterwards the model cannot be saved, trained, or run off that GPU (each says so).
     """
-    from kimik3.ops.moe import humming
-
     backend_choice()  # a misspelt KIMIK3_MOE_BACKEND is an error even where there is nothing to re-lay out
     done = 0
     for moe in [m for m in model.modules() if isinstance(m, LatentMoE)]:
@@ -169,6 +167,7 @@ def relayout_experts(model: nn.Module) -> int:
         dtype = moe.routed_expert_down_proj.weight.dtype
         if experts_backend(ex.w1_packed.device, dtype, 2 * L_half, F) != "humming":
             continue
+        from kimik3.ops.moe import humming  # only now: it imports triton, which a CPU install may lack
         relaid = humming.relayout((ex.w1_packed, ex.w3_packed, ex.w2_packed), (ex.w1_scale, ex.w3_scale, ex.w2_scale))
         moe.experts = RelaidExperts(relaid)  # the last reference to the stored codes: freed here
         del ex
