@@ -97,6 +97,40 @@ def profile_top(fn, title: str, iters: int = 5, rows: int = 25) -> None:
     print(f"-- profile: {title} ({iters} calls" + (f", {kernels:.0f} kernels per call)" if DEVICE.type == "cuda"
                                                   else ")"), flush=True)
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+    if DEVICE.type == "cuda":
+        device_ms = {e.key: e.self_device_time_total / 1e3 / iters for e in events if e.device_type == DeviceType.CUDA}
+        category_table(device_ms, title)
+
+
+# (category, name fragments), first match wins: a profile's kernels summed into what a note can reason about
+KERNEL_CATEGORIES = (
+    ("MoE W4A16 experts", ("humming", "_gate_up_kernel", "_down_kernel", "_tiles_kernel", "_tables_kernel",
+                           "_combine_kernel", "_situ_kernel")),
+    ("grouped expert GEMMs and their gathers", ("grouped", "_sum_rows_kernel", "_combine_backward_kernel")),
+    ("attention (cuDNN / SDPA)", ("cudnn", "fmha", "flash", "attention", "sdpa")),
+    ("KDA (fla)", ("kda", "gla", "delta_rule", "chunk_", "recompute_w_u", "rms_norm_gated", "fused_recurrent")),
+    ("dense GEMMs (cuBLAS)", ("nvjet", "gemm", "cutlass", "splitkreduce", "xmma", "cublas")),
+    ("copies, casts and fills", ("copy", "memcpy", "catarray", "memset", "fill")),
+    ("torch elementwise and reductions", ("elementwise", "reduce", "softmax", "sort", "scan", "index", "gather",
+                                          "scatter", "where")),
+    ("fused Triton (ours)", ("_fwd_kernel", "_bwd_kernel", "_forward_kernel", "_backward_kernel", "_decode_kernel",
+                             "_route_kernel", "_seq_", "_gathered_", "_gemv", "_reduce_kernel")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, frags in KERNEL_CATEGORIES if any(f.lower() in low for f in frags)), "other")
+
+
+def category_table(device_ms: dict[str, float], title: str) -> str:
+    """Device ms per call by KERNEL_CATEGORIES (and each category's share), largest first."""
+    sums: dict[str, float] = {}
+    for name, ms in device_ms.items():
+        sums[kernel_category(name)] = sums.get(kernel_category(name), 0.0) + ms
+    total = sum(sums.values()) or 1.0
+    rows = [[cat, f"{ms:.3f}", f"{ms / total:.0%}"] for cat, ms in sorted(sums.items(), key=lambda kv: -kv[1])]
+    return table(f"-- by category: {title} (device ms per call)", ["category", "ms", "share"], rows)
 
 
 def ceilings() -> dict:
