@@ -163,7 +163,7 @@ def relayout_experts(model: nn.Module) -> int:
         ex = moe.experts
         if not isinstance(ex, MXFP4Experts):
             continue
-        E, F, L_half = ex.w1_packed.shape
+        _, F, L_half = ex.w1_packed.shape
         dtype = moe.routed_expert_down_proj.weight.dtype
         if experts_backend(ex.w1_packed.device, dtype, 2 * L_half, F) != "humming":
             continue
