@@ -119,3 +119,54 @@ def test_gpu_matches_reference(dtype, cu):
     assert rel_err(out, ref_out) <= TOL[dtype]
     assert rel_err(dx, ref_dx) <= GRAD_TOL[dtype]
     assert rel_err(dw, ref_dw) <= GRAD_TOL[torch.float32]  # fp32 in both cases
+
+
+def gathered_case(T, P, dtype, device="cpu", seed=0):
+    """ext [X, P] = T new rows then one sequence's W-1 cached tail rows, and the index [W, T] that makes
+    `gathered_short_conv` the convolution of the tail-extended row; also that row [1, W-1+T, P]."""
+    gen = torch.Generator().manual_seed(seed)
+    new, tail = torch.randn(T, P, generator=gen), torch.randn(W - 1, P, generator=gen)
+    ext = torch.cat([new, tail]).to(device, dtype)
+    full = torch.cat([tail, new])[None].to(device, dtype)
+    # tap j of output t reads full[t + j], which is tail row t + j (< W-1) or new row t + j - (W-1)
+    f = torch.arange(T)[None] + torch.arange(W)[:, None]
+    index = torch.where(f < W - 1, T + f, f - (W - 1)).to(device)
+    weight = ((torch.rand(P, W, generator=gen) * 2 - 1) * W**-0.5).to(device)
+    return ext, index, weight, full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_reference_is_the_extended_row_bitwise(dtype):
+    ext, index, weight, full = gathered_case(11, 40, dtype)
+    want = reference.short_conv(full, weight)[0, W - 1:]
+    assert torch.equal(reference.gathered_short_conv(ext, index, weight), want)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, P", [(1, 128), (45, 200)])
+def test_interpreted_gathered_matches_reference(dtype, T, P):
+    from kimik3.ops.shortconv import triton as fast
+
+    ext, index, weight, _ = gathered_case(T, P, dtype, seed=T)
+    got = fast.gathered_short_conv(ext, index, weight)
+    assert got.dtype == dtype and got.shape == (T, P)
+    assert rel_err(got, reference.gathered_short_conv(ext, index, weight)) <= TOL[dtype]
+
+
+def test_gathered_with_autograd_takes_the_reference():
+    ext, index, weight, _ = gathered_case(6, 32, torch.float32)
+    weight.requires_grad_()
+    out = shortconv.gathered_short_conv(ext, index, weight)
+    assert out.grad_fn is not None and torch.equal(out, reference.gathered_short_conv(ext, index, weight))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_gathered_matches_reference(dtype):
+    ext, index, weight, _ = gathered_case(777, 12288, dtype, device="cuda", seed=5)
+    got = shortconv.gathered_short_conv(ext, index, weight)
+    with use_backend("torch"):
+        want = shortconv.gathered_short_conv(ext, index, weight)
+    assert rel_err(got, want) <= TOL[dtype]

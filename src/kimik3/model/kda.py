@@ -22,7 +22,7 @@ from kimik3.config import TextConfig
 from kimik3.model.cache import CacheStep, KDAPool, KDAState, PagedStep
 from kimik3.model.norm import GatedRMSNorm
 from kimik3.ops.kda import chunk_kda_with_gate, chunk_kda_with_gate_checkpoints, recurrent_kda_with_gate
-from kimik3.ops.shortconv import decode_short_conv, short_conv
+from kimik3.ops.shortconv import decode_short_conv, gathered_short_conv, short_conv
 
 
 class ShortConvolution(nn.Module):
@@ -42,13 +42,7 @@ class ShortConvolution(nn.Module):
         """Packed sequences with cached tails: `ext` [X, P] holds the new inputs then the tails, and
         `index_WT[j]` the row feeding tap j of each of the T outputs. The same sums in the same order as
         `forward` over a tail-extended row: [T, P]."""
-        W = self.weight.shape[-1]
-        w_PW = self.weight.float().squeeze(1)
-        x = ext_XP.float()
-        y = x[index_WT[W - 1]] * w_PW[:, W - 1]
-        for s in range(1, W):
-            y += x[index_WT[W - 1 - s]] * w_PW[:, W - 1 - s]
-        return F.silu(y).to(ext_XP.dtype)
+        return gathered_short_conv(ext_XP, index_WT, self.weight.squeeze(1))
 
     def last(self, window_BWP: Tensor) -> Tensor:
         """The output at the newest of W consecutive tokens (decode: W-1 cached, one new): [B, 1, P]."""

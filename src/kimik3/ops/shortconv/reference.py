@@ -36,6 +36,19 @@ def short_conv(x_BTP: Tensor, weight_PW: Tensor, cu_seqlens: Tensor | None = Non
     return F.silu(y).to(x_BTP.dtype)
 
 
+def gathered_short_conv(ext_XP: Tensor, index_WT: Tensor, weight_PW: Tensor) -> Tensor:
+    """Packed sequences with cached tails: ext [X, P] (new inputs, then tails), index [W, T] (the row of ext
+    feeding tap j of each of the T outputs), weight [P, W] -> silu(conv) [T, P] in ext's dtype; the same sums
+    in the same order as `short_conv` over a tail-extended row."""
+    W = weight_PW.shape[-1]
+    w_PW = weight_PW.float()
+    x = ext_XP.float()
+    y = x[index_WT[W - 1]] * w_PW[:, W - 1]
+    for s in range(1, W):
+        y += x[index_WT[W - 1 - s]] * w_PW[:, W - 1 - s]
+    return F.silu(y).to(ext_XP.dtype)
+
+
 def decode_short_conv(x_NP: Tensor, tails_SWP: Tensor, slots_N: Tensor, weight_PW: Tensor) -> Tensor:
     """x [N, P], tails [S, W-1, P] (updated in place at the distinct `slots_N` [N]), weight [P, W] fp32 ->
     silu(conv) [N, P] in x's dtype."""

@@ -132,6 +132,40 @@ def _seq_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, R, T, P, W: t
              mask=rmask[:, None] & pmask[None, :])
 
 
+@triton.jit
+def _gathered_fwd_kernel(ext_ptr, index_ptr, w_ptr, y_ptr, T, P, W: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_P: tl.constexpr, INTERPRET: tl.constexpr):
+    """y[t] = silu(sum over s of w[:, W-1-s] * ext[index[W-1-s, t]]), newest tap first (as `_pre_activation`)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    p = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    tmask, pmask = t < T, p < P
+    m = tmask[:, None] & pmask[None, :]
+    row = tl.load(index_ptr + (W - 1) * T + t, mask=tmask, other=0)
+    acc = tl.load(ext_ptr + row[:, None] * P + p[None, :], mask=m, other=0.0).to(tl.float32) \
+        * tl.load(w_ptr + p * W + (W - 1), mask=pmask, other=0.0)[None, :]
+    for s in tl.static_range(1, W):
+        row = tl.load(index_ptr + (W - 1 - s) * T + t, mask=tmask, other=0)
+        x = tl.load(ext_ptr + row[:, None] * P + p[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += x * tl.load(w_ptr + p * W + (W - 1 - s), mask=pmask, other=0.0)[None, :]
+    out = tl.div_rn(acc, 1.0 + tl.exp(-acc))
+    tl.store(y_ptr + t[:, None] * P + p[None, :], round_to(out, y_ptr.dtype.element_ty, INTERPRET), mask=m)
+
+
+def gathered_short_conv(ext_XP: Tensor, index_WT: Tensor, weight_PW: Tensor) -> Tensor:
+    """`reference.gathered_short_conv` in one kernel (no autograd)."""
+    (_, P), (W, T) = ext_XP.shape, index_WT.shape
+    if weight_PW.shape != (P, W):
+        raise ValueError(f"gathered_short_conv: expected ext [X, P], index [W, T], weight [P, W]; got "
+                         f"{list(ext_XP.shape)}, {list(index_WT.shape)}, {list(weight_PW.shape)}")
+    ext, index, w = ext_XP.contiguous(), index_WT.contiguous(), weight_PW.float().contiguous()
+    y = torch.empty(T, P, dtype=ext.dtype, device=ext.device)
+    if y.numel():
+        _gathered_fwd_kernel[_grid(T, P)](ext, index, w, y, T, P, W=W, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P_SEQ,
+                                          INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=4,
+                                          enable_fp_fusion=False)
+    return y
+
+
 def _positions(cu_seqlens: Tensor | None, T: int, device: torch.device) -> Tensor:
     from kimik3.ops.varlen import positions
 
