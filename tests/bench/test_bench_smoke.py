@@ -29,6 +29,7 @@ def _run(module: str, out, *args: str) -> None:
     ("bench_router", {"4", "32"}),
     ("bench_grouped", {"fused", "unfused"}),  # the fused side under Triton's interpreter on the CPU
     ("bench_rmsnorm", {"hidden", "latent", "decode"}),
+    ("bench_shortconv", {"one sequence", "8 packed documents"}),
 ])
 def test_smoke_run_writes_its_results(name, keys, tmp_path):
     _run(f"bench.{name}", tmp_path, "--smoke")

@@ -22,8 +22,7 @@ from kimik3.config import TextConfig
 from kimik3.model.cache import CacheStep, KDAPool, KDAState, PagedStep
 from kimik3.model.norm import GatedRMSNorm
 from kimik3.ops.kda import chunk_kda_with_gate, chunk_kda_with_gate_checkpoints, recurrent_kda_with_gate
-from kimik3.ops.shortconv import decode_short_conv
-from kimik3.ops.varlen import positions
+from kimik3.ops.shortconv import decode_short_conv, gathered_short_conv, short_conv
 
 
 class ShortConvolution(nn.Module):
@@ -37,31 +36,13 @@ class ShortConvolution(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=torch.float32))
 
     def forward(self, x_BTP: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        T, W = x_BTP.shape[1], self.weight.shape[-1]
-        w_PW = self.weight.float().squeeze(1)
-        x = x_BTP.float()
-        # one pass per tap over the shifted rows only (t >= s), accumulated in place: a padded, masked copy per
-        # tap costs 2-3 more full [B, T, P] fp32 passes each (measured: ~10 ms of a real-dims layer's prefill)
-        y = x * w_PW[:, W - 1]
-        pos_T1 = None if cu_seqlens is None else positions(cu_seqlens, T, x.device)[:, None]
-        for s in range(1, min(W, T)):
-            prev = x[:, : T - s]  # x[t - s] for t >= s
-            if pos_T1 is not None:  # zeroed where t - s falls before the token's own document start
-                prev = prev * (pos_T1[s:] >= s)
-            y[:, s:] += prev * w_PW[:, W - 1 - s]
-        return F.silu(y).to(x_BTP.dtype)
+        return short_conv(x_BTP, self.weight.squeeze(1), cu_seqlens)
 
     def gathered(self, ext_XP: Tensor, index_WT: Tensor) -> Tensor:
         """Packed sequences with cached tails: `ext` [X, P] holds the new inputs then the tails, and
         `index_WT[j]` the row feeding tap j of each of the T outputs. The same sums in the same order as
         `forward` over a tail-extended row: [T, P]."""
-        W = self.weight.shape[-1]
-        w_PW = self.weight.float().squeeze(1)
-        x = ext_XP.float()
-        y = x[index_WT[W - 1]] * w_PW[:, W - 1]
-        for s in range(1, W):
-            y += x[index_WT[W - 1 - s]] * w_PW[:, W - 1 - s]
-        return F.silu(y).to(ext_XP.dtype)
+        return gathered_short_conv(ext_XP, index_WT, self.weight.squeeze(1))
 
     def last(self, window_BWP: Tensor) -> Tensor:
         """The output at the newest of W consecutive tokens (decode: W-1 cached, one new): [B, 1, P]."""

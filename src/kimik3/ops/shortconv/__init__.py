@@ -1,14 +1,64 @@
-"""KDA's short convolution at decode: one new token per sequence against its cached tail. One public function;
-a fused Triton kernel on CUDA, the reference elsewhere."""
+"""KDA's short convolution: over whole sequences (`short_conv`: prefill and training, differentiable) and at
+decode (`decode_short_conv`: one new token per sequence against its cached tail). Fused Triton kernels on CUDA,
+the references (`.reference`) elsewhere."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from kimik3.ops.backend import has_triton, use_fast
 from kimik3.ops.shortconv import reference
 
-__all__ = ["decode_short_conv"]
+__all__ = ["decode_short_conv", "gathered_short_conv", "short_conv"]
+
+
+def short_conv(x_BTP: Tensor, weight_PW: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+    """silu(causal depthwise conv) over whole sequences, differentiable in x and weight.
+
+    Legend: B batch, T tokens, P channels, W conv window.
+
+    Args:
+        x_BTP: [B, T, P] pre-conv inputs (model dtype).
+        weight_PW: [P, W] fp32 conv weight (`ShortConvolution.weight.squeeze(1)`), tap W-1 the current token.
+        cu_seqlens: [docs + 1] document starts of packed rows (B = 1): the window never reaches before its own
+            document's start (zero padding there, as at t < 0).
+
+    Returns:
+        [B, T, P] in x's dtype: silu(y), y[t] = sum over taps j of weight[:, j] * x[t - (W-1) + j], each product
+        in fp32, summed from the newest tap back.
+
+    On CUDA tensors (unless `use_backend("torch")`) one Triton kernel reads x once and writes the output, and
+    the backward one more that recomputes the pre-activation (the reference makes ~4 fp32 passes per tap and
+    autograd saves them).
+    """
+    if use_fast(x_BTP) and has_triton():
+        from kimik3.ops.shortconv import triton as fast  # lazily: triton exists only on GPU machines
+
+        return fast.short_conv(x_BTP, weight_PW, cu_seqlens)
+    return reference.short_conv(x_BTP, weight_PW, cu_seqlens)
+
+
+def gathered_short_conv(ext_XP: Tensor, index_WT: Tensor, weight_PW: Tensor) -> Tensor:
+    """`short_conv` of the engine's packed chunks, each continuing its sequence's cached tail.
+
+    Legend: X = T new rows + the tails' rows, T outputs, W conv window, P channels.
+
+    Args:
+        ext_XP: [X, P] the new pre-conv inputs, then the chunks' cached tails (model dtype).
+        index_WT: [W, T] int64: the row of ext feeding tap j of each output (tap W-1 the token itself).
+        weight_PW: [P, W] fp32 conv weight.
+
+    Returns:
+        [T, P] in ext's dtype, summed in `short_conv`'s order. On CUDA tensors (unless `use_backend("torch")`)
+        and without autograd one Triton kernel (the reference gathers W fp32 copies of [T, P]); else the reference.
+    """
+    grad = torch.is_grad_enabled() and (ext_XP.requires_grad or weight_PW.requires_grad)
+    if use_fast(ext_XP) and has_triton() and not grad:
+        from kimik3.ops.shortconv import triton as fast
+
+        return fast.gathered_short_conv(ext_XP, index_WT, weight_PW)
+    return reference.gathered_short_conv(ext_XP, index_WT, weight_PW)
 
 
 def decode_short_conv(x_NP: Tensor, tails_SWP: Tensor, slots_N: Tensor, weight_PW: Tensor) -> Tensor:
