@@ -30,6 +30,7 @@ def _run(module: str, out, *args: str) -> None:
     ("bench_grouped", {"fused", "unfused"}),  # the fused side under Triton's interpreter on the CPU
     ("bench_rmsnorm", {"hidden", "latent", "decode"}),
     ("bench_shortconv", {"one sequence", "8 packed documents"}),
+    ("bench_optim", {"adamw torch fused", "adamw ours", "norm torch get_total_norm", "norm ours"}),
 ])
 def test_smoke_run_writes_its_results(name, keys, tmp_path):
     _run(f"bench.{name}", tmp_path, "--smoke")

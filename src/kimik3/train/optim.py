@@ -8,10 +8,13 @@ Parameter groups, by name and shape:
 Muon uses torch.optim.Muon with `adjust_lr_fn="match_rms_adamw"` (Moonlight's scaling), so one `optim.lr`
 serves both optimizers. The stacked routed experts [E, F, L] are 3-D and stay with AdamW.
 
-AdamW is torch's fused implementation: one kernel pass per parameter chunk reads param, grad and both moments
-once (measured on the 4-layer real-dims slice, H200: 95.7 ms against 235 ms for the foreach default). Gradient
-clipping folds into that pass: the fused kernel divides each gradient by its `grad_scale` (the hook
-GradScaler uses), so `Optimizers.step(grad_scale=max(1, norm / max_norm))` clips without a pass of its own.
+AdamW over plain (unsharded) tensors is `AdamW` below: torch's optimizer -- its hyper-parameters, states and
+state_dict, so checkpoints move between the two both ways -- whose step is `kimik3.ops.optim.adamw_update_`,
+one pass per parameter that reads param, grad and both moments once and writes param and the moments once.
+Gradient clipping folds into that pass: `Optimizers.step(grad_scale=max(1, norm / max_norm))` divides each
+gradient by the scale inside the update, read on the device. (torch's fused AdamW takes the same `grad_scale`
+but writes every unscaled gradient back; on the 4-layer real-dims slice, H200, its update took 95.7 ms and
+the foreach default 235 ms.) Sharded (DTensor) parameters keep torch's foreach AdamW.
 
 Schedule (step = 1-based optimizer step, S = train.steps, W = warmup_steps, m = min_lr_ratio):
     warmup:  lr * step / W                                         for step <= W
@@ -27,8 +30,51 @@ import math
 import torch
 from torch import nn
 
+from kimik3.ops.optim import adamw_update_
+
 NO_DECAY_SUFFIXES = ("norm.weight", "A_log", "dt_bias", "conv1d.weight", "_res_proj.weight")
 NOT_MUON = ("embed_tokens.weight", "lm_head.weight")
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW (decoupled weight decay; no amsgrad, maximize, capturable) whose step is one
+    `adamw_update_` per parameter: the Triton pass on CUDA, its torch reference elsewhere.
+
+    States are torch's non-fused ones (`step` a CPU fp32 scalar, the moments in the parameter's dtype), so
+    `state_dict()` loads into torch's AdamW and back. A step counter resumed from a fused or capturable
+    checkpoint (a device tensor) is moved to the host once, at the first step. `grad_scale` (set by
+    `Optimizers.step`) divides every gradient inside the update.
+    """
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.01):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        self.grad_scale: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group.get("amsgrad") or group.get("maximize") or group.get("capturable"):
+                raise ValueError("kimik3's AdamW has no amsgrad, maximize or capturable mode")
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device.type != "cpu":
+                    state["step"] = state["step"].to("cpu", torch.float32)
+                state["step"] += 1
+                adamw_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"]),
+                              lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                              weight_decay=group["weight_decay"], grad_scale=self.grad_scale)
+        return loss
 
 
 def param_groups(model: nn.Module, use_muon: bool) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -58,11 +104,9 @@ class Optimizers:
 
     @property
     def folds_clipping(self) -> bool:
-        """Whether `step(grad_scale=...)` applies the scale inside the update (every optimizer is a fused AdamW
-        over plain tensors, groups resumed from a foreach checkpoint included); otherwise the caller clips the
-        gradients first."""
-        return all(isinstance(o, torch.optim.AdamW) and all(g.get("fused") for g in o.param_groups)
-                   for o in self.optimizers)
+        """Whether `step(grad_scale=...)` applies the scale inside the update (every optimizer is our `AdamW`
+        over plain tensors); otherwise the caller clips the gradients first."""
+        return all(isinstance(o, AdamW) for o in self.optimizers)
 
     def step(self, grad_scale: torch.Tensor | None = None) -> None:
         """One update of every optimizer. `grad_scale` (a scalar tensor on the parameters' device, needs
@@ -70,7 +114,7 @@ class Optimizers:
         if grad_scale is not None and not self.folds_clipping:
             raise ValueError("grad_scale needs fused AdamW optimizers over unsharded parameters (folds_clipping)")
         for o in self.optimizers:
-            o.grad_scale = grad_scale  # read by fused AdamW's step (torch.optim.adam._fused_adam); None: unscaled
+            o.grad_scale = grad_scale  # read by AdamW.step; None: unscaled
             try:
                 o.step()
             finally:
@@ -104,8 +148,8 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     adam_groups = [{"params": [p for _, p in groups["decay"]], "weight_decay": weight_decay},
                    {"params": [p for _, p in groups["plain"]], "weight_decay": 0.0}]
     adam_groups = [g for g in adam_groups if g["params"]]
-    opts: list[torch.optim.Optimizer] = [torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps,
-                                                           fused=_fused_ok(adam_groups))]
+    adamw = AdamW if _plain(adam_groups) else torch.optim.AdamW  # sharded: torch's foreach default
+    opts: list[torch.optim.Optimizer] = [adamw(adam_groups, lr=lr, betas=betas, eps=eps)]
     if groups["muon"]:
         opts.append(torch.optim.Muon([p for _, p in groups["muon"]], lr=lr, weight_decay=weight_decay,
                                      momentum=muon_momentum, adjust_lr_fn="match_rms_adamw"))
@@ -119,9 +163,9 @@ def _is_sharded(p: torch.Tensor) -> bool:
     return hasattr(p, "full_tensor")  # a DTensor (FSDP2 / tensor parallel)
 
 
-def _fused_ok(groups: list[dict]) -> bool:
-    """Fused AdamW for floating-point parameters on CUDA or CPU. Sharded (DTensor) parameters keep the foreach
-    default: the fused kernel's DTensor support is not exercised by any test or device run here yet."""
+def _plain(groups: list[dict]) -> bool:
+    """Our AdamW for floating-point parameters on CUDA or CPU. Sharded (DTensor) parameters keep torch's foreach
+    AdamW: the update indexes each parameter as one local flat array."""
     params = [p for g in groups for p in g["params"]]
     return bool(params) and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") and not _is_sharded(p)
                                 for p in params)

@@ -19,6 +19,7 @@ from kimik3.distributed.env import all_reduce
 from kimik3.distributed.expert_parallel import clip_grad_norm_ as ep_clip_grad_norm_
 from kimik3.distributed.expert_parallel import expert_group_size
 from kimik3.model.moe import Router
+from kimik3.ops.optim import grad_norm
 from kimik3.train.balancing import Balancer
 from kimik3.train.data import MicroBatch
 from kimik3.train.optim import Optimizers
@@ -62,10 +63,10 @@ def clip_and_update(model: nn.Module, optimizers: Optimizers, max_norm: float) -
     optimizers and clear the gradients. Returns the norm before clipping, a device scalar (read it after the
     update is queued, so the host never waits in between).
 
-    With fused AdamW (`optimizers.folds_clipping`) the clip costs one read of the gradients for the norm: the
-    update divides each gradient by max(1, (norm + 1e-6) / max_norm), torch's clip coefficient inverted, inside
-    its own pass. Otherwise (Muon, sharded parameters, expert parallelism) the gradients are clipped in place
-    first, as `torch.nn.utils.clip_grad_norm_` does.
+    With our AdamW (`optimizers.folds_clipping`) the clip costs one read of the gradients for the norm
+    (`kimik3.ops.optim.grad_norm`): the update divides each gradient by max(1, (norm + 1e-6) / max_norm),
+    torch's clip coefficient inverted, inside its own pass. Otherwise (Muon, sharded parameters, expert
+    parallelism) the gradients are clipped in place first, as `torch.nn.utils.clip_grad_norm_` does.
     """
     limit = max_norm if max_norm > 0 else float("inf")
     if expert_group_size(model) is not None:  # expert-parallel: each expert's gradient lives on one rank
@@ -73,10 +74,11 @@ def clip_and_update(model: nn.Module, optimizers: Optimizers, max_norm: float) -
         optimizers.step()
     else:
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)  # a DTensor when sharded
         if optimizers.folds_clipping:  # plain tensors only
-            optimizers.step(grad_scale=((norm.float() + 1e-6) / limit).clamp(min=1.0))
+            norm = grad_norm([p.grad for p in params])
+            optimizers.step(grad_scale=((norm + 1e-6) / limit).clamp(min=1.0))
         else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)  # a DTensor when sharded
             torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
             optimizers.step()
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
