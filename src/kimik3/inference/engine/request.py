@@ -71,6 +71,17 @@ class Status(Enum):
 
 
 @dataclass(eq=False)
+class TokenCounts:
+    """What the sampler's penalties need of one sequence's tokens, kept on the logits' device and brought up to
+    date with only the tokens added since the last step (recounting them all made a step's cost grow with the
+    sequence). Legend: V vocabulary."""
+
+    seen_V: torch.Tensor  # bool: in the prompt or the output (repetition penalty)
+    output_V: torch.Tensor  # fp32: times generated (presence and frequency penalties)
+    upto: int = 0  # tokens[:upto] are counted
+
+
+@dataclass(eq=False)
 class Sequence:
     """One choice of a request: its tokens (prompt + output), how many of them the pools hold, where.
 
@@ -91,6 +102,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     reported: int = 0  # output tokens already returned by step()
+    counts: TokenCounts | None = None  # made by the sampler on the first step with a penalty
 
     @property
     def num_prompt(self) -> int:
@@ -98,6 +110,7 @@ class Sequence:
 
     @property
     def output(self) -> list[int]:
+        """The output ids as a fresh list (a copy: O(length))."""
         return self.tokens[self.num_prompt:]
 
     @property

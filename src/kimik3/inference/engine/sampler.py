@@ -6,6 +6,9 @@ The order is fixed: logit_bias, repetition penalty (prompt + output), presence a
 (output only, OpenAI's definition), the structured-output mask, then `kimik3.inference.sampling.draw`
 (greedy or temperature / top-k / top-p / min-p with the row's own generator). Log-probabilities are taken
 from the raw logits, before any of that, as vLLM reports them by default.
+
+The penalties read counts that each sequence keeps on the device (`TokenCounts`), brought up to date with only the
+tokens added since its last step: a step's cost does not grow with the lengths of its sequences.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kimik3.inference.engine.request import Sequence, TokenLogprob
-from kimik3.inference.sampling import draw, repetition_penalty
+from kimik3.inference.engine.request import Sequence, TokenCounts, TokenLogprob
+from kimik3.inference.sampling import SamplingParams, draw, repetition_penalty
 
 
 def to_device(x: Tensor, device: torch.device) -> Tensor:
@@ -36,6 +39,49 @@ def token_logprobs(logprobs_MV: Tensor, tokens: list[int], k: int) -> list[Token
     return [TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, picked, tops)]
 
 
+def _penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or bool(p.presence_penalty or p.frequency_penalty)
+
+
+def token_counts(seq: Sequence, V: int, device: torch.device) -> TokenCounts:
+    """seq's counts over all its tokens now: the first call counts them all, later ones only the new ones."""
+    c = seq.counts
+    if c is None:
+        c = seq.counts = TokenCounts(torch.zeros(V, dtype=torch.bool, device=device), torch.zeros(V, device=device))
+    assert c.seen_V.shape[0] == V and c.seen_V.device == device, "the sampler's vocabulary or device changed"
+    if c.upto < len(seq.tokens):
+        ids = to_device(torch.tensor(seq.tokens[c.upto:], dtype=torch.long), device)
+        c.seen_V[ids] = True
+        out = ids[max(0, seq.num_prompt - c.upto):]  # the prompt counts for the repetition penalty only
+        c.output_V.index_add_(0, out, torch.ones(out.shape[0], device=device))
+        c.upto = len(seq.tokens)
+    return c
+
+
+def penalize(x_MV: Tensor, seqs: list[Sequence]) -> Tensor:
+    """fp32 logits after the repetition penalty (prompt + output) and the presence and frequency penalties
+    (output only). Rows without a penalty of their own get zero counts: the batch's per-row factors (1 and 0)
+    then leave them bit for bit as they are, as if their tokens had been counted."""
+    params = [s.params for s in seqs]
+    rep = any(p.repetition_penalty != 1 for p in params)
+    freq = any(p.presence_penalty or p.frequency_penalty for p in params)
+    if not (rep or freq):
+        return x_MV
+    device, V = x_MV.device, x_MV.shape[1]
+    f = lambda xs: to_device(torch.tensor(xs, dtype=torch.float32), device)  # noqa: E731
+    counts = [token_counts(s, V, device) if _penalized(s.params) else None for s in seqs]
+    if rep:
+        no = torch.zeros(V, dtype=torch.bool, device=device)
+        seen = torch.stack([c.seen_V if c is not None else no for c in counts])
+        x_MV = repetition_penalty(x_MV, seen, f([p.repetition_penalty for p in params]))
+    if freq:
+        zero = torch.zeros(V, device=device)
+        out = torch.stack([c.output_V if c is not None else zero for c in counts])
+        x_MV = x_MV - f([p.frequency_penalty for p in params])[:, None] * out
+        x_MV = x_MV - f([p.presence_penalty for p in params])[:, None] * (out > 0)
+    return x_MV
+
+
 def sample(logits_MV: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of logits_MV (row i belongs to seqs[i]); with their logprobs where requested."""
     device, (M, V) = logits_MV.device, logits_MV.shape
@@ -49,18 +95,7 @@ def sample(logits_MV: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Tok
                 if t < V:
                     bias[i, t] += b
         x = x + bias
-    if any(p.repetition_penalty != 1 for p in params):
-        seen = torch.zeros(M, V, dtype=torch.bool, device=device)
-        for i, s in enumerate(seqs):
-            seen[i, torch.tensor(s.tokens, device=device)] = True
-        x = repetition_penalty(x, seen, f([p.repetition_penalty for p in params]))
-    if any(p.presence_penalty or p.frequency_penalty for p in params):
-        counts = torch.zeros(M, V, device=device)
-        for i, s in enumerate(seqs):
-            out = torch.tensor(s.output, dtype=torch.long, device=device)
-            counts[i].index_add_(0, out, torch.ones(out.shape[0], device=device))
-        x = x - f([p.frequency_penalty for p in params])[:, None] * counts
-        x = x - f([p.presence_penalty for p in params])[:, None] * (counts > 0)
+    x = penalize(x, seqs)
     for i, s in enumerate(seqs):
         allowed = s.constraint.allowed() if s.constraint is not None else None
         if allowed is not None:

@@ -171,6 +171,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq, seq.slot)
         self._unreserve(seq.group)
+        seq.counts = None  # the sampler's vocabulary-wide rows: a finished choice of n > 1 waits for the others
         seq.status = Status.FINISHED
 
     def add(self, group: RequestState) -> None:
