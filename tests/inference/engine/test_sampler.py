@@ -1,13 +1,17 @@
-"""The engine sampler's penalties: its running per-sequence counts against a recount of every sequence's whole token
-list at every step (what the sampler computed before it kept counts)."""
+"""The engine sampler: its penalties (running per-sequence counts against a recount of every sequence's whole token
+list at every step, what the sampler computed before it kept counts) and its logprobs under a constraint."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from kimik3.inference import SamplingParams
 from kimik3.inference.engine import Request, sampler
 from kimik3.inference.sampling import repetition_penalty
+from tests.helpers import requires_cuda
 from tests.inference.engine.conftest import greedy, make_engine, random_prompts
 
 
@@ -88,3 +92,52 @@ def test_running_counts_equal_a_recount_every_step(model, monkeypatch):
     assert final["freq"].outputs[0].token_ids.count(7) < 12  # the penalty turned the bias down
     penalized = [(rid, s) for rid, o in final.items() if rid != "plain" for s in o.outputs]
     assert sum(sent) == sum(len(final[rid].prompt_ids) + len(s.token_ids) - 1 for rid, s in penalized)
+
+
+def test_logprobs_stay_raw_under_a_constraint():
+    """fp32 logits, a constraint and nothing else: the mask must not reach the logits it was given (the runner's
+    buffer, which the logprobs read): they report the raw distribution, as without a constraint."""
+
+    class Odd:
+        def allowed(self):
+            return torch.arange(V) % 2 == 1
+
+    V = 50
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(0))
+    logits[0, 0] = 10.0  # the raw argmax is even: the constraint changes the token
+    before = logits.clone()
+    seq = SimpleNamespace(params=SamplingParams(temperature=0, logprobs=3, max_new_tokens=1), constraint=Odd(),
+                          generator=None)
+    tokens, logprobs = sampler.sample(logits, [seq])
+    assert tokens[0] % 2 == 1
+    assert torch.equal(logits, before)
+    raw = before.log_softmax(-1)[0]
+    assert logprobs[0].logprob == raw[tokens[0]].item()
+    assert logprobs[0].top[0][0] == 0  # the raw top entry, banned by the constraint
+
+
+class _Seq:
+    """What the sampler's penalties read of a sequence."""
+
+    def __init__(self, params, tokens, num_prompt):
+        self.params, self.tokens, self.num_prompt, self.counts = params, tokens, num_prompt, None
+
+    @property
+    def output(self):
+        return self.tokens[self.num_prompt:]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_penalties_equal_a_recount():
+    """The counts kept on the GPU, three steps on: the penalized logits equal the CPU recount bit for bit."""
+    V, gen = 1000, torch.Generator().manual_seed(1)
+    seqs = [_Seq(greedy(8, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3),
+                 torch.randint(V, (30,), generator=gen).tolist(), 20),
+            _Seq(greedy(8), [1, 2, 3], 2)]
+    for _ in range(3):
+        x = torch.randn(2, V, generator=gen)
+        assert torch.equal(sampler.penalize(x.cuda(), seqs).cpu(), recount(x, seqs))
+        for s in seqs:
+            s.tokens.append(int(torch.randint(V, (1,), generator=gen)))
+    assert seqs[0].counts.output_V.is_cuda and seqs[1].counts is None

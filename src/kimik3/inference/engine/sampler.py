@@ -96,10 +96,15 @@ def sample(logits_MV: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Tok
                     bias[i, t] += b
         x = x + bias
     x = penalize(x, seqs)
-    for i, s in enumerate(seqs):
-        allowed = s.constraint.allowed() if s.constraint is not None else None
-        if allowed is not None:
-            x[i] = x[i].masked_fill(~allowed.to(device=device, dtype=torch.bool)[:V], float("-inf"))
+    allowed = {i: s.constraint.allowed() for i, s in enumerate(seqs) if s.constraint is not None}
+    allowed = {i: a for i, a in allowed.items() if a is not None}
+    if allowed:
+        banned = torch.zeros(M, V, dtype=torch.bool, device=device)
+        for i, a in allowed.items():
+            banned[i] = ~a.to(device=device, dtype=torch.bool)[:V]
+        # out of place: with fp32 logits and nothing above applied, x is logits_MV itself (the runner's buffer),
+        # whose raw values the logprobs below report
+        x = x.masked_fill(banned, float("-inf"))
     if all(p.temperature == 0 for p in params):  # what draw returns for these rows, without its vocabulary sort
         tokens = x.argmax(-1).tolist()
     else:
