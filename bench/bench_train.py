@@ -5,14 +5,14 @@ with NeMo AutoModel 0.7.0's K3 on the same slice (design.md section 6: 732 ms/st
 
 A step is what `kimik3.train.step.train_step` does for one micro-batch: forward through `CausalLMLoss`
 (chunked cross-entropy, routers fp32, balancing statistics collected) under bf16 autocast, backward, then
-`kimik3.train.step.optimizer_phase` -- the trainer's own code: the gradient norm, `build_optimizer`'s fused AdamW
-with the clip folded into its pass, the QB bias update -- timed as such (the previous trainer's separate clip and
-foreach AdamW are timed beside it). The slice has 17.9B parameters: fp32 master weights do not
-fit one GPU (weights + gradients alone are 143 GB), and bf16 weights + gradients + AdamW states (143 GB) do
-not fit together with the activations of a forward. So one process times two phases on the same model,
-forward+backward (with the gradients allocated as in training) and then clip + AdamW + QB update on those
-gradients, and the step is their sum. fp32 master weights are timed where they fit (`--smoke`; on the GPU
-at `--compare-experts` experts per MoE layer, next to bf16 weights at the same size).
+`kimik3.train.step.optimizer_phase` -- the trainer's own code: the gradient norm and `build_optimizer`'s AdamW
+with the clip folded into its pass (both `kimik3.ops.optim`), the QB bias update -- timed as such (torch's fused
+and foreach AdamW and the previous trainer's separate clip are timed beside it). The slice has 17.9B
+parameters: fp32 master weights do not fit one GPU (weights + gradients alone are 143 GB), and bf16 weights +
+gradients + AdamW states (143 GB) do not fit together with the activations of a forward. So one process times
+two phases on the same model, forward+backward (with the gradients allocated as in training) and then clip +
+AdamW + QB update on those gradients, and the step is their sum. fp32 master weights are timed where they fit
+(`--smoke`; on the GPU at `--compare-experts` experts per MoE layer, next to bf16 weights at the same size).
 
 Matmul FLOPs per step, forward + backward = 3 x forward (recomputation not counted):
     every nn.Linear, the LM head included    2 T in out
@@ -277,11 +277,11 @@ def summarize(result: dict, flops: dict | None, rate: float, T: int) -> bool:
                         "adamw_parts": (opt.get("fused") or {}).get("parts"), "qb_update_ms": opt["qb_update_ms"]}
         for kind in ("fused", "foreach"):
             k = opt.get(kind) or {}
-            label = f"AdamW {kind} ({prec}{', in 4 parts' if k.get('parts') == 4 else ''})"
+            label = f"torch's AdamW {kind} ({prec}{', in 4 parts' if k.get('parts') == 4 else ''})"
             ms = _fmt(k.get("ms"), ".1f", "OOM" if k else "-")
             rows.append([label, ms, "", "", "", _fmt(k.get("peak_gib"), ".1f"), ""])
         tr = opt.get("trainer") or {}
-        rows.append([(f"optimizer phase as kimik3 train runs it ({prec}: norm, fused AdamW with the clip folded in, "
+        rows.append([(f"optimizer phase as kimik3 train runs it ({prec}: norm, AdamW with the clip folded in, "
                       "QB)"), _fmt(tr.get("ms"), ".1f", tr.get("error", "-")[:30]), "", "", "",
                      _fmt(tr.get("peak_gib"), ".1f"), ""])
         rows.append([f"  its gradient norm alone ({prec})", _fmt(opt.get("norm_ms"), ".1f"), "", "", "", "", ""])
