@@ -19,6 +19,8 @@ SEEN = {  # a kernel name as the profiler printed it on the H200: its category
     "_combine_kernel": "MoE W4A16 experts",
     "_sum_rows_kernel": "grouped expert GEMMs and their gathers",
     "_combine_backward_kernel": "grouped expert GEMMs and their gathers",
+    # torch._grouped_mm's CUTLASS kernel (bench_train's profile: the 54 aten::_grouped_mm calls' device time)
+    "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_s...": "grouped expert GEMMs and their gathers",
     "nvjet_sm90_tst_128x8_64x12_4x1_v_bz_TNT": "dense GEMMs (cuBLAS)",
     "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat1...": "dense GEMMs (cuBLAS)",
     "void cutlass::Kernel2<cutlass_75_tensorop_s1688gemm_bf16_128x128_tn...": "dense GEMMs (cuBLAS)",
