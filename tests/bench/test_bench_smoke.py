@@ -76,7 +76,7 @@ def test_training_step_bench_smoke(tmp_path):
     assert data["truth"]["experts"] == 3 and data["truth"]["ok"], data["truth"]
     h = data["headline"]
     assert h["ms"] > h["fwd_bwd_ms"] > 0 and h["tokens_per_s"] > 0 and h["adamw_ms"] > 0
-    # the step adds the trainer's own optimizer phase (fused AdamW, clip folded in), not a sum of stand-ins
+    # the step adds the trainer's own optimizer phase (our AdamW, clip folded in), not a sum of stand-ins
     assert h["optimizer_phase_ms"] > 0 and h["ms"] == h["fwd_bwd_ms"] + h["optimizer_phase_ms"]
     assert all(m["optimizer"]["trainer"]["folds_clipping"] for m in data["modes"].values())
 

@@ -112,7 +112,7 @@ class Optimizers:
         """One update of every optimizer. `grad_scale` (a scalar tensor on the parameters' device, needs
         `folds_clipping`): every gradient is divided by it inside the fused update, as if clipped beforehand."""
         if grad_scale is not None and not self.folds_clipping:
-            raise ValueError("grad_scale needs fused AdamW optimizers over unsharded parameters (folds_clipping)")
+            raise ValueError("grad_scale needs kimik3 AdamW optimizers over unsharded parameters (folds_clipping)")
         for o in self.optimizers:
             o.grad_scale = grad_scale  # read by AdamW.step; None: unscaled
             try:
