@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import DEVICE, FUSED_COLUMNS, ceilings, environment, fused_rows, median_ms, table, write_json
-from kimik3.ops.backend import use_backend
+from bench.common import DEVICE, FUSED_COLUMNS, ceilings, environment, fused_case, table, write_json
 from kimik3.ops.rmsnorm import rms_norm
 
 EPS = 1e-5
@@ -32,17 +31,9 @@ def main(smoke: bool = False):
             xx, ww = x.detach().requires_grad_(), w.detach().requires_grad_()
             rms_norm(xx, ww, EPS).backward(dy)
 
-        res = {}
-        for backend in ("auto", "torch"):
-            with use_backend(backend), torch.no_grad():
-                res[f"{backend} fwd"] = median_ms(lambda: rms_norm(x, w, EPS), 3, 20)
-            with use_backend(backend):
-                res[f"{backend} fwd+bwd"] = median_ms(fwd_bwd, 3, 20)
-        with torch.no_grad(), use_backend("torch"):
-            ref = rms_norm(x, w, EPS).float()
-        errors[name] = float((rms_norm(x, w, EPS).float() - ref).norm() / ref.norm())
-        results[name] = {**res, **{f"floor {k} ms": v for k, v in floors.items()}}
-        rows += fused_rows(name, shape, res, floors, errors[name])
+        results[name], errors[name], case_rows = fused_case(name, shape, lambda: rms_norm(x, w, EPS), fwd_bwd,
+                                                           floors)
+        rows += case_rows
     table(f"RMSNorm, bf16 (copy {copy / 1e12:.2f} TB/s), median ms", FUSED_COLUMNS, rows)
     write_json("bench_rmsnorm", {"env": environment(), "results": results, "rel_err": errors})
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import DEVICE, FUSED_COLUMNS, ceilings, environment, fused_rows, median_ms, table, write_json
-from kimik3.ops.backend import use_backend
+from bench.common import DEVICE, FUSED_COLUMNS, ceilings, environment, fused_case, table, write_json
 from kimik3.ops.shortconv import short_conv
 
 W = 4
@@ -33,17 +32,9 @@ def main(smoke: bool = False):
         w = (torch.rand(P, W, device=DEVICE) * 2 - 1) * W**-0.5
         n = x.numel()
         floors = {"fwd": 2 * 2 * n / copy * 1e3, "fwd+bwd": (2 + 3) * 2 * n / copy * 1e3}
-        res = {}
-        for backend in ("auto", "torch"):
-            with use_backend(backend), torch.no_grad():
-                res[f"{backend} fwd"] = median_ms(lambda: short_conv(x, w, cu_seqlens), 3, 20)
-            with use_backend(backend):
-                res[f"{backend} fwd+bwd"] = median_ms(lambda: fwd_bwd(x, w, cu_seqlens, d_out), 3, 20)
-        with torch.no_grad(), use_backend("torch"):
-            ref = short_conv(x, w, cu_seqlens).float()
-        errors[name] = float((short_conv(x, w, cu_seqlens).float() - ref).norm() / ref.norm())
-        results[name] = {**res, **{f"floor {k} ms": v for k, v in floors.items()}}
-        rows += fused_rows(name, (1, T, P), res, floors, errors[name])
+        results[name], errors[name], case_rows = fused_case(
+            name, (1, T, P), lambda: short_conv(x, w, cu_seqlens), lambda: fwd_bwd(x, w, cu_seqlens, d_out), floors)
+        rows += case_rows
     table(f"short convolution (W = {W}), bf16 (copy {copy / 1e12:.2f} TB/s), median ms", FUSED_COLUMNS, rows)
     write_json("bench_shortconv", {"env": environment(), "results": results, "rel_err": errors})
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import DEVICE, FUSED_COLUMNS, ceilings, environment, fused_rows, median_ms, table, write_json
-from kimik3.ops.backend import use_backend
+from bench.common import DEVICE, FUSED_COLUMNS, ceilings, environment, fused_case, table, write_json
 from kimik3.ops.situ import situ_glu
 
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -31,18 +30,9 @@ def main(smoke: bool = False):
         gate, up, d_out = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) * 3 for _ in range(3))
         n = gate.numel()
         floors = {"fwd": 3 * 2 * n / copy * 1e3, "fwd+bwd": (3 + 5) * 2 * n / copy * 1e3}
-        res = {}
-        for backend in ("auto", "torch"):
-            with use_backend(backend), torch.no_grad():
-                res[f"{backend} fwd"] = median_ms(lambda: situ_glu(gate, up, BETA, LINEAR_BETA), 3, 20)
-            with use_backend(backend):
-                res[f"{backend} fwd+bwd"] = median_ms(lambda: fwd_bwd(gate, up, d_out), 3, 20)
-        with torch.no_grad(), use_backend("torch"):
-            ref = situ_glu(gate, up, BETA, LINEAR_BETA)
-        out = situ_glu(gate, up, BETA, LINEAR_BETA).float()
-        errors[name] = float((out - ref.float()).norm() / ref.float().norm())
-        results[name] = {**res, **{f"floor {k} ms": v for k, v in floors.items()}}
-        rows += fused_rows(name, shape, res, floors, errors[name])
+        results[name], errors[name], case_rows = fused_case(
+            name, shape, lambda: situ_glu(gate, up, BETA, LINEAR_BETA), lambda: fwd_bwd(gate, up, d_out), floors)
+        rows += case_rows
     table(f"SiTU-GLU, bf16 (copy {copy / 1e12:.2f} TB/s), median ms", FUSED_COLUMNS, rows)
     write_json("bench_situ", {"env": environment(), "results": results, "rel_err": errors})
 

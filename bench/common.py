@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kimik3.config import K3Config
+from kimik3.ops.backend import use_backend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -162,15 +163,27 @@ def environment() -> dict:
 FUSED_COLUMNS = ["shape", "pass", "reference", "fused", "speedup", "of bytes floor", "rel err"]
 
 
-def fused_rows(name: str, shape, res: dict, floors: dict, error: float) -> list[list[str]]:
-    """A fused kernel's two table rows (fwd, fwd+bwd; columns FUSED_COLUMNS) against its reference: res holds the
-    medians "auto PASS" (fused) and "torch PASS" (reference), floors the bytes floor of each pass, in ms."""
+def fused_case(name: str, shape, fwd, fwd_bwd, floors: dict) -> tuple[dict, float, list[list[str]]]:
+    """A fused op against its reference, on one shape: the median ms of fwd() (no gradient) and fwd_bwd() with each
+    backend ("auto PASS" the fused kernels, "torch PASS" the reference), the fused output's relative error from the
+    reference's, and the two table rows (fwd, fwd+bwd; columns FUSED_COLUMNS). floors: the bytes floor of each
+    pass, in ms. Returns (results entry: the medians and floors, error, rows)."""
+    res = {}
+    for backend in ("auto", "torch"):
+        with use_backend(backend), torch.no_grad():
+            res[f"{backend} fwd"] = median_ms(fwd, 3, 20)
+        with use_backend(backend):
+            res[f"{backend} fwd+bwd"] = median_ms(fwd_bwd, 3, 20)
+    with torch.no_grad():
+        with use_backend("torch"):
+            ref = fwd().float()
+        error = float((fwd().float() - ref).norm() / ref.norm())
     rows = []
     for kind in ("fwd", "fwd+bwd"):
         fast, ref_ms = res[f"auto {kind}"], res[f"torch {kind}"]
         rows.append([f"{name} {list(shape)}", kind, f"{ref_ms:.3f}", f"{fast:.3f}", f"{ref_ms / fast:.1f}x",
                      f"{floors[kind] / fast:.0%}", f"{error:.1e}"])
-    return rows
+    return {**res, **{f"floor {k} ms": v for k, v in floors.items()}}, error, rows
 
 
 def table(title: str, headers: list[str], rows: list[list]) -> str:
