@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kimik3.ops.situ.triton import round_to
+from kimik3.ops.situ.triton import interpreting, round_to
 
 __all__ = ["combine", "dispatch", "inverse"]
 
@@ -67,10 +67,6 @@ def _combine_backward_kernel(d_out_ptr, y_ptr, inv_ptr, w_ptr, d_y_ptr, d_w_ptr,
     tl.store(d_w_ptr + i, tl.sum(dot, axis=0))
 
 
-def _interpret() -> bool:
-    return bool(triton.knobs.runtime.interpret)
-
-
 def _sum_rows(rows_ML: Tensor, inv_NA: Tensor, w_NA: Tensor | None, dtype: torch.dtype) -> Tensor:
     N, A = inv_NA.shape
     L = rows_ML.shape[1]
@@ -78,7 +74,7 @@ def _sum_rows(rows_ML: Tensor, inv_NA: Tensor, w_NA: Tensor | None, dtype: torch
     if N and L:
         _sum_rows_kernel[(N, triton.cdiv(L, BLOCK_L))](
             rows_ML, inv_NA, w_NA if w_NA is not None else inv_NA, out, L, A=A, HAS_W=w_NA is not None,
-            BLOCK_L=BLOCK_L, INTERPRET=_interpret(), num_warps=4)
+            BLOCK_L=BLOCK_L, INTERPRET=interpreting(), num_warps=4)
     return out
 
 
@@ -109,7 +105,7 @@ class _Combine(torch.autograd.Function):
         d_y, d_w = torch.empty_like(y), torch.empty(N, A, dtype=torch.float32, device=y.device)
         if N and y.shape[1]:
             _combine_backward_kernel[(N * A,)](d_out_NL.contiguous(), y, inv_NA, w, d_y, d_w, y.shape[1], A=A,
-                                               BLOCK_L=BLOCK_L, INTERPRET=_interpret(), num_warps=4)
+                                               BLOCK_L=BLOCK_L, INTERPRET=interpreting(), num_warps=4)
         elif N:
             d_w.zero_()
         return d_y, None, d_w.to(ctx.w_dtype)

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.moe.triton_mxfp4 import _combine_kernel
-from kimik3.ops.situ.triton import round_to, situ
+from kimik3.ops.situ.triton import interpreting, round_to, situ
 
 BLOCK = 2048  # SiTU elements per program
 COMPUTE = json.dumps({"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"})
@@ -145,7 +145,7 @@ def _tables(topk_idx: Tensor, num_experts: int, bm: int) -> tuple[Tensor, Tensor
     """`_tables_reference` (same tensors), as one Triton program up to FUSED_TABLES_MAX_ROWS routed rows: about
     20 fewer kernels per call, which is what a decode step pays for them (a CUDA graph still launches each)."""
     M = topk_idx.numel()
-    runnable = topk_idx.is_cuda or triton.knobs.runtime.interpret
+    runnable = topk_idx.is_cuda or interpreting()
     if not (runnable and 0 < M <= FUSED_TABLES_MAX_ROWS):
         return _tables_reference(topk_idx, num_experts, bm)
     dev = topk_idx.device
@@ -276,7 +276,7 @@ def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, rela
     t2, bm2 = _tuning(w2, M, z.device)
     tables13 = _tables(topk_idx, E, bm13)
     tables2 = tables13 if bm2 == bm13 else _tables(topk_idx, E, bm2)
-    interpret = bool(triton.knobs.runtime.interpret)
+    interpret = interpreting()
     g13 = torch.empty(M, 2 * F, dtype=z.dtype, device=z.device)
     _gemm(w13, z.contiguous(), g13, tables13, A, t13)
     h = torch.empty(M, F, dtype=z.dtype, device=z.device)

@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.mxfp4 import GROUP_SIZE
-from kimik3.ops.situ.triton import round_to, situ
+from kimik3.ops.situ.triton import interpreting, round_to, situ
 
 
 @triton.jit
@@ -335,7 +335,7 @@ def _forward(z, topk_idx, topk_weight, packed, scales, beta, linear_beta, c1, c2
     M = N * A
     if M == 0:
         return torch.zeros_like(z)
-    interpret = bool(triton.knobs.runtime.interpret)
+    interpret = interpreting()
     order, tiles, T = _route(topk_idx, E, c1[0])
     h = torch.empty(M, F, dtype=z.dtype, device=z.device)
     bm, bn, bk, swap, nw, ns = c1

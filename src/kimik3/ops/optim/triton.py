@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.optim.reference import scalars
-from kimik3.ops.situ.triton import round_to
+from kimik3.ops.situ.triton import interpreting, round_to
 
 __all__ = ["adamw_update_", "grad_norm"]
 
@@ -58,10 +58,6 @@ def _sumsq_kernel(x_ptr, partials_ptr, n, BLOCK: tl.constexpr):
     tl.store(partials_ptr + tl.program_id(0), tl.sum(x * x, axis=0))
 
 
-def _interpret() -> bool:
-    return bool(triton.knobs.runtime.interpret)
-
-
 def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
                   beta1: float, beta2: float, eps: float, weight_decay: float,
                   grad_scale: Tensor | None = None) -> None:
@@ -74,7 +70,7 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, scale, n, c["decay"], c["beta1"], c["one_minus_beta1"], c["beta2"],
         c["one_minus_beta2"], c["step_size"], c["bc2_sqrt"], float(eps), HAS_SCALE=grad_scale is not None,
-        HAS_DECAY=weight_decay != 0, BLOCK=BLOCK, INTERPRET=_interpret(), num_warps=NUM_WARPS,
+        HAS_DECAY=weight_decay != 0, BLOCK=BLOCK, INTERPRET=interpreting(), num_warps=NUM_WARPS,
         enable_fp_fusion=False)
 
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kimik3.ops.situ.triton import round_to
+from kimik3.ops.situ.triton import interpreting, round_to
 
 __all__ = ["rms_norm"]
 
@@ -60,10 +60,6 @@ def _backward_kernel(x_ptr, w_ptr, r_ptr, dy_ptr, dx_ptr, dw_ptr, R, D: tl.const
     tl.store(dw_ptr + pid * D + cols, dw, mask=mask)
 
 
-def _interpret() -> bool:
-    return bool(triton.knobs.runtime.interpret)
-
-
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -75,7 +71,7 @@ class _RMSNorm(torch.autograd.Function):
         block = triton.next_power_of_2(D)
         if R:
             _forward_kernel[(R,)](x_RD, weight.contiguous(), y, r, D=D, eps=float(eps), BLOCK_D=block,
-                                  INTERPRET=_interpret(), num_warps=8 if block >= 4096 else 4)
+                                  INTERPRET=interpreting(), num_warps=8 if block >= 4096 else 4)
         ctx.save_for_backward(x_RD, weight, r)
         return y.view(*x.shape[:-1], D)
 
@@ -89,7 +85,7 @@ class _RMSNorm(torch.autograd.Function):
         block = triton.next_power_of_2(D)
         if R:
             _backward_kernel[(P,)](x_RD, weight.contiguous(), r, dy.reshape(R, D).contiguous(), dx, dw_partial, R,
-                                   D=D, BLOCK_D=block, ROWS=ROWS_PER_PROGRAM, INTERPRET=_interpret(),
+                                   D=D, BLOCK_D=block, ROWS=ROWS_PER_PROGRAM, INTERPRET=interpreting(),
                                    num_warps=8 if block >= 4096 else 4)
         return dx.view(dy.shape), dw_partial.sum(0).to(weight.dtype), None
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kimik3.ops.situ.triton import round_to
+from kimik3.ops.situ.triton import interpreting, round_to
 
 __all__ = ["decode_short_conv"]
 
@@ -64,7 +64,7 @@ def decode_short_conv(x_NP: Tensor, tails_SWP: Tensor, slots_N: Tensor, weight_P
         return out_NP
     _decode_kernel[(N, triton.cdiv(P, BLOCK_P))](
         x_NP, tails_SWP, slots_N, weight_PW, out_NP, P, x_NP.stride(0), tails_SWP.stride(0), tails_SWP.stride(1),
-        weight_PW.stride(0), W=W, BLOCK_P=BLOCK_P, INTERPRET=bool(triton.knobs.runtime.interpret),
+        weight_PW.stride(0), W=W, BLOCK_P=BLOCK_P, INTERPRET=interpreting(),
         num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out_NP
 
@@ -161,7 +161,7 @@ def gathered_short_conv(ext_XP: Tensor, index_WT: Tensor, weight_PW: Tensor) -> 
     y = torch.empty(T, P, dtype=ext.dtype, device=ext.device)
     if y.numel():
         _gathered_fwd_kernel[_grid(T, P)](ext, index, w, y, T, P, W=W, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P_SEQ,
-                                          INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=4,
+                                          INTERPRET=interpreting(), num_warps=4,
                                           enable_fp_fusion=False)
     return y
 
@@ -184,7 +184,7 @@ class _ShortConv(torch.autograd.Function):
         y = torch.empty_like(x)
         if x.numel():
             _seq_fwd_kernel[_grid(B * T, P)](x, w, pos_T, y, B * T, T, P, W=W, BLOCK_R=BLOCK_R,
-                                             BLOCK_P=BLOCK_P_SEQ, INTERPRET=bool(triton.knobs.runtime.interpret),
+                                             BLOCK_P=BLOCK_P_SEQ, INTERPRET=interpreting(),
                                              num_warps=4, enable_fp_fusion=False)
         ctx.save_for_backward(x, w, pos_T)
         ctx.weight_dtype = weight_PW.dtype
@@ -200,7 +200,7 @@ class _ShortConv(torch.autograd.Function):
         if x.numel():
             _seq_bwd_kernel[grid](x, w, pos_T, dy_BTP.contiguous(), dx, dw_parts, B * T, T, P, W=W,
                                   BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P_SEQ,
-                                  INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=4,
+                                  INTERPRET=interpreting(), num_warps=4,
                                   enable_fp_fusion=False)
         dw = dw_parts.sum(0).t().to(ctx.weight_dtype)
         return dx, dw, None

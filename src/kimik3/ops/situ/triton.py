@@ -1,5 +1,6 @@
 """SiTU-GLU as one Triton kernel each way; the contract of `.reference`. Also the device functions the MXFP4
-expert kernels use in their epilogue (`tanh`, `situ`, `round_to`).
+expert kernels use in their epilogue (`tanh`, `situ`, `round_to`), and `interpreting`, which the other kernels'
+launchers pass on as their INTERPRET flag.
 
 Legend: n elements (gate and up flattened). With t = tanh(g / beta), s = sigmoid(g), v = tanh(u / linear_beta):
     forward   out = (beta t s) (linear_beta v)
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["round_to", "situ", "situ_glu", "tanh"]
+__all__ = ["interpreting", "round_to", "situ", "situ_glu", "tanh"]
 
 BLOCK = 2048  # elements per program
 NUM_WARPS = 8
@@ -39,6 +40,12 @@ def situ(g, u, beta, linear_beta):
     """SiTU-GLU of gate / up values (fp32 in, fp32 out), as the reference."""
     a = beta * tanh(tl.div_rn(g, beta)) * tl.sigmoid(g)
     return a * (linear_beta * tanh(tl.div_rn(u, linear_beta)))
+
+
+def interpreting() -> bool:
+    """Whether the kernels run under Triton's interpreter (CPU tests): `round_to` and the fp32 casts before
+    `tl.dot` take their interpreter forms then."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
@@ -80,7 +87,7 @@ def _backward_kernel(g_ptr, u_ptr, d_out_ptr, d_g_ptr, d_u_ptr, n, beta, linear_
 
 
 def _launch(kernel, n: int, *args) -> None:
-    interpret = bool(triton.knobs.runtime.interpret)
+    interpret = interpreting()
     kernel[(triton.cdiv(n, BLOCK),)](*args, BLOCK=BLOCK, INTERPRET=interpret, num_warps=NUM_WARPS)
 
 
