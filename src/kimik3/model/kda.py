@@ -44,8 +44,13 @@ class ShortConvolution(nn.Module):
         `forward` over a tail-extended row: [T, P]."""
         return gathered_short_conv(ext_XP, index_WT, self.weight.squeeze(1))
 
+    def decode(self, x_NP: Tensor, tails_SWP: Tensor, slots_N: Tensor) -> Tensor:
+        """One new token per sequence against its cached tail (moved on in place): [N, P] (`decode_short_conv`)."""
+        return decode_short_conv(x_NP, tails_SWP, slots_N, self.weight.float().squeeze(1))
+
     def last(self, window_BWP: Tensor) -> Tensor:
-        """The output at the newest of W consecutive tokens (decode: W-1 cached, one new): [B, 1, P]."""
+        """The output at the newest of W consecutive tokens, written out over the window: the form `decode`
+        computed before it was one fused op, kept as its oracle in the tests. [B, 1, P]."""
         y_BP = (window_BWP.float() * self.weight.float().squeeze(1).T).sum(1)
         return F.silu(y_BP)[:, None].to(window_BWP.dtype)
 
@@ -91,8 +96,7 @@ class KimiDeltaAttention(nn.Module):
             if tail is None:
                 return mod(y_BTP, cu_seqlens).view(B, T, H, K)
             if T == 1:  # decode: just the new token's window, and the tail moved on, in one fused op
-                w_PW = mod.weight.float().squeeze(1)
-                return decode_short_conv(y_BTP[:, 0], tail, slots_B, w_PW).view(B, T, H, K)
+                return mod.decode(y_BTP[:, 0], tail, slots_B).view(B, T, H, K)
             full = torch.cat([tail, y_BTP], dim=1)
             tail.copy_(full[:, -tail.shape[1]:])
             return mod(full)[:, -T:].view(B, T, H, K)
@@ -132,8 +136,7 @@ class KimiDeltaAttention(nn.Module):
                 # one token per sequence: its window is the slot's tail and the new input, summed as
                 # HybridCache's decode does, in one fused op (the cat, gather and index_copy were ~7 kernels
                 # per conv of a slice-12 decode step, profiled on the H200)
-                w_PW = mod.weight.float().squeeze(1)
-                return decode_short_conv(proj(x_TD), tails, step.slots, w_PW).view(1, T, H, K)
+                return mod.decode(proj(x_TD), tails, step.slots).view(1, T, H, K)
             ext_XP = torch.cat([proj(x_TD), tails[step.slots].flatten(0, 1)])
             out_TP = mod.gathered(ext_XP, step.conv_index)
             if step.kda_exports is not None:
