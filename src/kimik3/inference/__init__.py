@@ -1,6 +1,6 @@
-"""Generation: sampling parameters, the batched sampler, and the readable static-batch generate loop."""
+"""Generation: sampling parameters, the serving engine (the one cached path), and `generate()` over it."""
 
 from kimik3.inference.generate import Completion, TokenEvent, generate, stream
-from kimik3.inference.sampling import Sampler, SamplingParams
+from kimik3.inference.sampling import SamplingParams
 
-__all__ = ["Completion", "Sampler", "SamplingParams", "TokenEvent", "generate", "stream"]
+__all__ = ["Completion", "SamplingParams", "TokenEvent", "generate", "stream"]

@@ -1,8 +1,7 @@
-"""The readable generation path: left-padded batched prefill, then one decode step per token.
+"""`generate()` and `stream()`: a short loop over the serving engine, the one cached path.
 
-Each step samples on the device (no host sync inside the sampler), then copies the B new ids to the host
-once: streaming needs them, and the per-sequence stop checks (ids, strings, length) run there.
-Finished sequences keep decoding in the static batch, but their outputs are dropped.
+The prompts become requests of an engine sized for them (a slot each, no prefix cache); each engine step's
+new tokens come back as TokenEvents, with their text from the engine's stop-aware decoder.
 """
 
 from __future__ import annotations
@@ -10,17 +9,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from kimik3.inference.cuda_graph import GraphedDecoder
-from kimik3.inference.sampling import Sampler, SamplingParams
-
-
-class Detokenizer(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
+from kimik3.inference.engine import Engine, EngineConfig, Request
+from kimik3.inference.engine.config import GRID
+from kimik3.inference.sampling import SamplingParams
+from kimik3.tokenizer import Tokenizer
 
 
 @dataclass
@@ -39,42 +35,6 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
-
-
-class _Row:
-    """Host-side bookkeeping of one sequence: its ids, its text so far, when it stops."""
-
-    def __init__(self, params: SamplingParams, eos: Sequence[int], tokenizer: Detokenizer | None):
-        self.params, self.tokenizer = params, tokenizer
-        self.stop_ids = set(params.stop_token_ids) | set(eos)
-        self.ids: list[int] = []
-        self.text = ""
-        self.emitted = 0  # characters of self.text already streamed
-        self.finish: str | None = None
-
-    def add(self, token: int) -> str:
-        """Record a token; return the text that can now be streamed."""
-        self.ids.append(token)
-        if token in self.stop_ids:
-            self.finish = "stop"
-        elif len(self.ids) >= self.params.max_new_tokens:
-            self.finish = "length"
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.ids[:-1] if token in self.stop_ids else self.ids)
-        if self.finish is None:
-            text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its next bytes
-        cuts = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
-        if cuts:
-            text, self.finish = text[: min(cuts)], "stop"
-        self.text = text
-        # while running, hold back a tail that may still grow into a stop string
-        held = 0 if self.finish else max((k for s in self.params.stop for k in range(1, len(s))
-                                          if text.endswith(s[:k])), default=0)
-        safe = len(text) - held
-        delta = text[self.emitted:safe]
-        self.emitted = max(self.emitted, safe)
-        return delta
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
@@ -120,23 +80,9 @@ def _fit_context(prompts: list[list[int]], params: list[SamplingParams], max_con
             for p, q in zip(params, prompts, strict=True)]
 
 
-def _left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Ragged prompts -> ids [B, T] (pad on the left) and the mask of real tokens [B, T], on `device`."""
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p):] = torch.tensor(p)
-        mask[i, longest - len(p):] = True
-    return ids.to(device), mask.to(device)
-
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
 @torch.no_grad()
 def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-           *, tokenizer: Detokenizer | None = None, eos_token_ids: Sequence[int] = (),
+           *, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
            max_context: int | None = None, cuda_graph: bool = False, pixel_values: Tensor | None = None,
            grid_thws: Tensor | None = None, sync_tokens: Callable[[Tensor], object] | None = None
            ) -> Iterator[list[TokenEvent]]:
@@ -144,16 +90,15 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
 
     Args:
         model: a K3 model (`K3ForCausalLM` or `K3ForConditionalGeneration`) in eval mode.
-        prompts: B lists of token ids (ragged; they are left-padded internally).
+        prompts: B lists of token ids (ragged).
         params: one SamplingParams for all, or one per prompt.
-        tokenizer: anything with `decode(ids) -> str`; enables text deltas and stop strings.
+        tokenizer: a `kimik3.tokenizer.Tokenizer`; enables text deltas and stop strings.
         eos_token_ids: ids that end every sequence (e.g. `<|end_of_msg|>`), besides each request's own.
         max_context: the most tokens (prompt + generated) a sequence may hold, at most the model's
             `max_position_embeddings`; a prompt that fills it is an error and generation stops ("length") when
             a sequence reaches it. None: the model's `max_position_embeddings` bounds prompt + max_new_tokens,
             and a request past it is an error (nothing is allocated for it).
-        cuda_graph: decode under a CUDA graph (model on a GPU); the batch is padded up to a bucket size
-            (BATCH_BUCKETS) with dummy rows whose outputs are dropped.
+        cuda_graph: replay the engine's CUDA-graphed decode steps (model on a GPU).
         pixel_values, grid_thws: the prompts' images (`kimik3.vision.process_images`), in prompt order; each
             prompt carries one <|media_pad|> per image token (`kimik3.vision.expand_media_pads`).
         sync_tokens: called in place on each step's sampled tokens [B] (int64, on the model's device) before
@@ -161,7 +106,7 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
             from rank 0, so every rank continues with the same tokens and stops at the same step.
 
     Yields:
-        per step, one TokenEvent per still-running sequence.
+        per engine step, one TokenEvent per new token of each sequence that advanced.
     """
     cfg = model.config.text if hasattr(model.config, "text") else model.config
     prompts = _check_prompts(prompts, cfg.vocab_size)
@@ -169,43 +114,47 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling parameter sets for {len(prompts)} prompts")
     params = _fit_context(prompts, params, max_context, cfg.max_position_embeddings)
-    longest = max(len(p) for p in prompts)
-    device = next(model.parameters()).device
-    real = len(prompts)
-    if cuda_graph:  # pad the batch to a bucket with one-token dummy prompts (their rows are never reported)
-        bucket = next((b for b in BATCH_BUCKETS if b >= real), real)
-        prompts, params = prompts + [[0]] * (bucket - real), params + [params[0]] * (bucket - real)
-    B = len(prompts)
-    ids, mask = _left_pad(prompts, cfg.pad_token_id if cfg.pad_token_id is not None else 0, device)
-    steps = max(p.max_new_tokens for p in params)
-    cache = model.new_cache(B, longest + steps)
-    sampler = Sampler(params, cfg.vocab_size, device)
-    sampler.observe(ids, mask)
-    rows = [_Row(p, eos_token_ids, tokenizer) for p in params]
-    images = {} if pixel_values is None else {"pixel_values": pixel_values.to(device), "grid_thws": grid_thws}
-    logits = model(ids, cache=cache, attention_mask=mask, **images)[:, -1]
-    decode = GraphedDecoder(model, cache) if cuda_graph else (lambda t: model(t[:, None], cache=cache)[:, -1])
-    for _ in range(steps):
-        tokens = sampler.sample(logits)
-        if sync_tokens is not None:
-            sync_tokens(tokens)
+    config = EngineConfig(max_num_seqs=len(prompts), enable_prefix_cache=False, use_cuda_graphs=cuda_graph,
+                          max_model_len=max(len(q) + p.max_new_tokens for q, p in zip(prompts, params)),
+                          max_num_batched_tokens=max(GRID, sum(map(len, prompts))))
+    engine = Engine(model, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer, sync_tokens=sync_tokens)
+    embeds = _image_tokens(model, prompts, pixel_values, grid_thws)
+    for i, (q, p) in enumerate(zip(prompts, params)):
+        engine.add_request(Request(str(i), q, p, mm_embeds=embeds[i] if embeds else None))
+    while engine.has_unfinished():
         events = []
-        for i, token in enumerate(tokens.tolist()[:real]):
-            row = rows[i]
-            if row.finish is None:
-                text = row.add(token)
-                events.append(TokenEvent(i, token, text, row.finish))
+        for out in engine.step():
+            for o in out.outputs:
+                for k, token in enumerate(o.token_ids):
+                    last = k == len(o.token_ids) - 1
+                    events.append(TokenEvent(int(out.request_id), token, o.text if last else "",
+                                             o.finish_reason if last else None))
         if events:
             yield events
-        if all(r.finish for r in rows[:real]) or cache.length == cache.max_length:
-            return
-        sampler.observe(tokens[:, None])
-        logits = decode(tokens)
+
+
+def _image_tokens(model: nn.Module, prompts: list[list[int]], pixel_values: Tensor | None,
+                  grid_thws: Tensor | None) -> list[Tensor | None] | None:
+    """Per prompt, the projected image tokens its <|media_pad|> ids take, in order (images in prompt order)."""
+    if pixel_values is None:
+        return None
+    from kimik3.model.vision import encode_images
+
+    if not getattr(model, "has_vision", False):
+        raise ValueError("images were given but this model has no vision tower (text-only config or load)")
+    device = next(model.parameters()).device
+    feats = torch.cat(encode_images(model.vision_tower, model.mm_projector, pixel_values.to(device), grid_thws))
+    pad = model.config.media_placeholder_token_id
+    counts = [sum(t == pad for t in q) for q in prompts]
+    if sum(counts) != feats.shape[0]:
+        raise ValueError(f"the prompts have {sum(counts)} <|media_pad|> positions but the images give "
+                         f"{feats.shape[0]} tokens")
+    return [part if len(part) else None for part in feats.split(counts)]
 
 
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             tokenizer: Detokenizer | None = None, eos_token_ids: Sequence[int] = (),
+             tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
              max_context: int | None = None, cuda_graph: bool = False, pixel_values: Tensor | None = None,
              grid_thws: Tensor | None = None) -> list[Completion]:
     """`stream` run to the end: one Completion (ids, text, finish reason) per prompt (params None: the

@@ -1,15 +1,14 @@
-"""Per-request sampling parameters and a batched sampler with no host synchronisation.
+"""Per-request sampling parameters and the batched draw the engine's sampler (engine/sampler.py) runs.
 
 Legend: B sequences, V vocabulary.
 
-Every request carries its own parameters; the sampler holds them as [B] tensors and applies, per row:
-repetition penalty (over the tokens seen so far), temperature (0 = greedy), top-k, top-p, min-p, then draws
-with the exponential race argmax(p / E), E ~ Exp(1), from the row's own generator, and nothing waits for the host.
+Every request carries its own parameters; per row: repetition penalty (over the tokens seen so far),
+temperature (0 = greedy), top-k, top-p, min-p, then the exponential race argmax(p / E), E ~ Exp(1), from the
+row's own generator, with no host synchronisation.
 
 Batch independence, precisely: given the same logits, a seeded row draws the same tokens whatever else shares
 its batch (exact, any dtype: its generator and filters are its own). The logits themselves depend on the batch
-at rounding level (the batch shape changes CPU GEMM blocking; a left-padded row's attention spans the padded
-width), and a rounding difference can flip an MoE routing choice. In fp32 on the CPU a row's logits stay within
+at rounding level (the batch shape changes GEMM blocking), and a rounding difference can flip an MoE routing choice. In fp32 on the CPU a row's logits stay within
 a few 1e-6 (relative) of its solo run and seeded samples agree in practice (tested); in bf16 they do not: a
 seeded row can part from its solo run within a few tokens (the demo model, four seeded prompts of 2-45 tokens,
 48 new tokens each: two rows parted, at tokens 3 and 14). Run a request alone, or in fp32, to reproduce it.
@@ -47,8 +46,7 @@ class SamplingParams:
         logit_bias: (token id, bias) pairs added to the logits before sampling.
         ignore_eos: keep generating past the model's end-of-turn ids (stop_token_ids still stop).
     Log-probabilities are those of the model's raw distribution (before penalties, temperature and
-    truncation). The engine honours every field; the static `generate()` ignores n, the logprobs fields,
-    presence/frequency penalties and ignore_eos.
+    truncation). The engine honours every field (`generate()` runs on it; its results carry one choice).
     """
 
     temperature: float = 1.0
@@ -122,37 +120,6 @@ def _is_real(v) -> bool:
 def _all(v, ok) -> bool:
     """v is a list/tuple/set (not a lone string or number) and every item passes `ok`."""
     return isinstance(v, (list, tuple, set, frozenset)) and all(ok(x) for x in v)
-
-
-class Sampler:
-    """Samples one token per row from [B, V] logits; all state lives on the logits' device."""
-
-    def __init__(self, params: list[SamplingParams], vocab_size: int, device: torch.device | str = "cpu"):
-        B, V = len(params), vocab_size
-        f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
-        self.vocab_size = V
-        self.temperature = f([p.temperature for p in params])
-        self.top_k = torch.tensor([p.top_k or V for p in params], device=device)
-        self.top_p = f([p.top_p for p in params])
-        self.min_p = f([p.min_p for p in params])
-        self.penalty = f([p.repetition_penalty for p in params])
-        self.greedy = all(p.temperature == 0 for p in params)
-        self.seen = torch.zeros(B, V, dtype=torch.bool, device=device)
-        seeds = [p.seed if p.seed is not None else int(torch.randint(0, 2**62, ())) for p in params]
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-
-    def observe(self, ids_BT: Tensor, valid_BT: Tensor | None = None) -> None:
-        """Record tokens now in each row's context (for the repetition penalty)."""
-        if valid_BT is not None:
-            ids_BT = torch.where(valid_BT.bool(), ids_BT, ids_BT[:, :1])
-        self.seen.scatter_(1, ids_BT, True)
-
-    def sample(self, logits_BV: Tensor) -> Tensor:
-        """[B, V] logits -> [B] int64 token ids."""
-        x = repetition_penalty(logits_BV.float(), self.seen, self.penalty)
-        if self.greedy:  # what draw returns for these rows, without its sort of every row's vocabulary
-            return x.argmax(-1)
-        return draw(x, self.temperature, self.top_k, self.top_p, self.min_p, self.generators)
 
 
 def repetition_penalty(x_BV: Tensor, seen_BV: Tensor, penalty_B: Tensor) -> Tensor:

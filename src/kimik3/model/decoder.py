@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
-from kimik3.model.cache import CacheStep, KDAState, MLALatents
+from kimik3.model.state import KDAView, MLAView
+from kimik3.model.step import Step
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.mla import MultiHeadLatentAttention
 from kimik3.model.mlp import MLP
@@ -53,15 +54,14 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(self, partial: Tensor, blocks: Tensor, cu_seqlens: Tensor | None = None,
-                cache: KDAState | MLALatents | None = None, step: CacheStep | None = None
-                ) -> tuple[Tensor, list[Tensor]]:
+                state: KDAView | MLAView | None = None, step: Step | None = None) -> tuple[Tensor, Tensor]:
         """Returns the new running sum and the (possibly extended) stack of stored blocks [M, B, T, D].
 
-        `cache` is this layer's entry of a HybridCache (updated in place), `step` the positions of this call.
+        `state` is this layer's view of a StatePool (updated in place) and `step` where this call's tokens go.
         """
         a = depth_mix(blocks, partial, self.self_attention_res_norm, self.self_attention_res_proj) if len(blocks) \
             else partial
-        o = self.self_attn(self.input_layernorm(a), cu_seqlens, cache, step)
+        o = self.self_attn(self.input_layernorm(a), cu_seqlens, state, step)
         if self.starts_block:
             blocks = torch.cat([blocks, partial[None]])  # once per block: 8 times in K3's 93 layers
             partial = o

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
-from kimik3.model.cache import CacheStep, KDAPool, KDAState, PagedStep
+from kimik3.model.state import KDAStateSpec, KDAView
+from kimik3.model.step import Step
 from kimik3.model.norm import GatedRMSNorm
 from kimik3.ops.kda import chunk_kda_with_gate, chunk_kda_with_gate_checkpoints, recurrent_kda_with_gate
 from kimik3.ops.shortconv import decode_short_conv, gathered_short_conv, short_conv
@@ -77,51 +78,30 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(c.head_dim, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(P, D, bias=False, dtype=dtype)
 
-    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, cache: KDAState | None = None,
-                step: CacheStep | None = None) -> Tensor:
-        """x [B, T, D] -> [B, T, D]. With `cache` (and its `step`), continue from and update the cached state.
-        With a `KDAPool` and a `PagedStep`: the engine's packed sequences, each from and into its own slot."""
-        if isinstance(step, PagedStep):
-            return self._paged(x_BTD, cache, step)
+    def state_spec(self) -> KDAStateSpec:
+        """What this layer keeps per sequence (read from the module: a tensor-parallel rank's local heads)."""
+        return KDAStateSpec(self.num_heads, self.head_dim, self.q_proj.out_features, self.q_conv1d.weight.shape[-1])
+
+    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, state: KDAView | None = None,
+                step: Step | None = None) -> Tensor:
+        """x [B, T, D] -> [B, T, D]. Without state: whole sequences (training, prefill of packed documents).
+        With this layer's `state` and a `step`: the step's packed chunks [1, T], each continuing its slot."""
+        if state is not None:
+            return self._cached(x_BTD, state, step)
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
-        valid_BT1 = step.valid[..., None] if step is not None else None
-        # decode: each row's tail sits in its own cache row; made on the device (no host sync, graph-capturable)
-        slots_B = torch.arange(B, device=x_BTD.device) if cache is not None and T == 1 else None
-
-        def conv(mod: ShortConvolution, proj: nn.Linear, tail: Tensor | None) -> Tensor:
-            y_BTP = proj(x_BTD)
-            if valid_BT1 is not None:  # left padding feeds zeros, as the conv's own zero padding would
-                y_BTP = torch.where(valid_BT1, y_BTP, 0)
-            if tail is None:
-                return mod(y_BTP, cu_seqlens).view(B, T, H, K)
-            if T == 1:  # decode: just the new token's window, and the tail moved on, in one fused op
-                return mod.decode(y_BTP[:, 0], tail, slots_B).view(B, T, H, K)
-            full = torch.cat([tail, y_BTP], dim=1)
-            tail.copy_(full[:, -tail.shape[1]:])
-            return mod(full)[:, -T:].view(B, T, H, K)
-
-        q_BTHK = conv(self.q_conv1d, self.q_proj, cache.conv_q if cache else None)
-        k_BTHK = conv(self.k_conv1d, self.k_proj, cache.conv_k if cache else None)
-        v_BTHK = conv(self.v_conv1d, self.v_proj, cache.conv_v if cache else None)
+        q_BTHK, k_BTHK, v_BTHK = (mod(proj(x_BTD), cu_seqlens).view(B, T, H, K) for mod, proj in
+                                  ((self.q_conv1d, self.q_proj), (self.k_conv1d, self.k_proj),
+                                   (self.v_conv1d, self.v_proj)))
         g_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K)  # raw: activated inside the op
         beta_BTH = self.b_proj(x_BTD).float()  # logits
-        if valid_BT1 is not None:  # a pad token neither decays (sigmoid(-inf) = 0) nor writes (beta = 0)
-            g_BTHK = torch.where(valid_BT1[..., None], g_BTHK, float("-inf"))
-            beta_BTH = torch.where(valid_BT1, beta_BTH, float("-inf"))
-        # one new token against a cache is decode: the recurrent kernel; anything longer is chunked
-        delta_rule = recurrent_kda_with_gate if cache is not None and T == 1 else chunk_kda_with_gate
-        o_BTHK, state = delta_rule(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, self.A_log, self.dt_bias,
-                                   lower_bound=self.lower_bound, scale=K**-0.5, cu_seqlens=cu_seqlens,
-                                   initial_state=cache.recurrent if cache else None,
-                                   output_final_state=cache is not None)
-        if cache is not None:
-            cache.recurrent.copy_(state)
+        o_BTHK, _ = chunk_kda_with_gate(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, self.A_log, self.dt_bias,
+                                        lower_bound=self.lower_bound, scale=K**-0.5, cu_seqlens=cu_seqlens)
         o_BTHK = self.o_norm(o_BTHK, self.g_proj(x_BTD).view(B, T, H, K))
         return self.o_proj(o_BTHK.reshape(B, T, H * K))
 
-    def _paged(self, x_1TD: Tensor, pool: KDAPool, step: PagedStep) -> Tensor:
-        """The engine's mixed step: N packed chunks [1, T], each continuing the state in its slot.
+    def _cached(self, x_1TD: Tensor, pool: KDAView, step: Step) -> Tensor:
+        """N packed chunks [1, T], each continuing the state in its slot.
 
         Decode-only steps run the recurrent kernel over N rows of one token; anything else the chunked kernel
         over the packed row (varlen), each sequence from its slot's state. States the step exports (prefix
@@ -133,9 +113,7 @@ class KimiDeltaAttention(nn.Module):
 
         def conv(mod: ShortConvolution, proj: nn.Linear, tails: Tensor) -> Tensor:
             if step.decode_only and step.kda_exports is None:
-                # one token per sequence: its window is the slot's tail and the new input, summed as
-                # HybridCache's decode does, in one fused op (the cat, gather and index_copy were ~7 kernels
-                # per conv of a slice-12 decode step, profiled on the H200)
+                # one token per sequence: its window is the slot's tail and the new input, in one fused op
                 return mod.decode(proj(x_TD), tails, step.slots).view(1, T, H, K)
             ext_XP = torch.cat([proj(x_TD), tails[step.slots].flatten(0, 1)])
             out_TP = mod.gathered(ext_XP, step.conv_index)

@@ -13,10 +13,12 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.config import K3Config, TextConfig
-from kimik3.model.cache import CacheStep, HybridCache, PagedCache, PagedStep
+from kimik3.model.cache import Cache, forward_with_cache
 from kimik3.model.decoder import DecoderLayer, depth_mix
 from kimik3.model.init import init_weights
 from kimik3.model.norm import RMSNorm
+from kimik3.model.state import StatePool
+from kimik3.model.step import Step
 from kimik3.model.vision import MMProjector, VisionTower, encode_images, tokens_per_image
 
 
@@ -40,23 +42,18 @@ class K3TextModel(nn.Module):
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False, dtype=dtype)
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None,
-                cache: HybridCache | PagedCache | None = None, attention_mask: Tensor | None = None,
-                step: CacheStep | PagedStep | None = None, inputs_embeds: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, state: StatePool | None = None,
+                step: Step | None = None, inputs_embeds: Tensor | None = None) -> Tensor:
         """input_ids [B, T] -> final hidden state [B, T, D] (see K3ForCausalLM.forward)."""
-        if cache is not None and cu_seqlens is not None:
-            raise ValueError("cu_seqlens packs documents for cache-less forwards; with a cache, left-pad the "
-                             "batch and pass attention_mask")
-        if attention_mask is not None and cache is None:
-            raise ValueError("attention_mask (left padding) needs a cache; pack documents with cu_seqlens instead")
-        if isinstance(cache, PagedCache) != isinstance(step, PagedStep):
-            raise ValueError("a PagedCache (the serving engine's pools) runs with a PagedStep, and only with one")
-        if cache is not None and step is None:
-            step = cache.advance(input_ids.shape[1], attention_mask)
+        if (state is None) != (step is None):
+            raise ValueError("a StatePool runs with a Step, and only with one")
+        if state is not None and (cu_seqlens is not None or input_ids.shape[0] != 1):
+            raise ValueError("a step packs its sequences in one row [1, T] (its own boundaries); cu_seqlens is "
+                             "for forwards without state")
         h_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         blocks = h_BTD.new_empty(0, *h_BTD.shape)
         for i, layer in enumerate(self.layers):
-            h_BTD, blocks = layer(h_BTD, blocks, cu_seqlens, cache.layers[i] if cache else None, step)
+            h_BTD, blocks = layer(h_BTD, blocks, cu_seqlens, state.layers[i] if state is not None else None, step)
         return self.norm(depth_mix(blocks, h_BTD, self.output_attn_res_norm, self.output_attn_res_proj))
 
 
@@ -76,33 +73,41 @@ class K3ForCausalLM(nn.Module):
         self.model = K3TextModel(cfg, dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
-    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
-                attention_mask: Tensor | None = None, step: CacheStep | None = None,
+    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, cache: Cache | None = None,
+                attention_mask: Tensor | None = None, state: StatePool | None = None, step: Step | None = None,
                 inputs_embeds: Tensor | None = None, logits_at: Tensor | None = None) -> Tensor:
         """input_ids [B, T] int64 -> logits [B, T, Vocab] in the compute dtype.
 
+        Three modes: no state (training, prefill of whole sequences); an explicit `cache` from `new_cache`
+        (the new tokens of each row are appended to it: prefill, chunked prefill or decode, ragged rows with
+        `attention_mask`); or a `state` pool with a `step` (the serving engine's packed chunks, B == 1).
+
         Args:
-            cu_seqlens: [N+1] document boundaries packed in one row (B == 1); no token sees another document.
-            cache: from `new_cache`; the new tokens run against it and are appended to it (prefill, chunked
-                prefill, or decode of one or more tokens per sequence).
-            attention_mask: [B, T] 1 for real tokens, 0 for left padding (ragged batches; needs a cache).
-            step: a prebuilt `cache.make_step(...)` (CUDA-graphed decode); by default `cache.advance(T, mask)`.
-                The serving engine passes a `PagedCache` with a `PagedStep` (packed chunks of many sequences,
-                B == 1, each with its own KDA slot and MLA block table).
+            cu_seqlens: [N+1] document boundaries packed in one row (B == 1, no state); no token sees another.
+            cache: from `new_cache`; `attention_mask` [B, T] marks the tokens to append (0: left padding, say;
+                those rows of the logits are zeros).
+            state, step: a `StatePool` and the `Step` naming each sequence's slot, blocks and new tokens.
             inputs_embeds: [B, T, D] used instead of embedding input_ids (images spliced in by the wrapper).
             logits_at: [M] token indices: project only those rows, -> [B, M, Vocab] (the engine samples each
                 sequence's last token; the LM head over a whole prefill chunk would be wasted).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        h_BTD = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, attention_mask=attention_mask, step=step,
-                           inputs_embeds=inputs_embeds)
+        if cache is not None:
+            if cu_seqlens is not None or state is not None:
+                raise ValueError("cache= runs alone: cu_seqlens packs documents for forwards without state, and "
+                                 "state/step are the engine's form")
+            return forward_with_cache(self, input_ids, cache, attention_mask, inputs_embeds)
+        if attention_mask is not None:
+            raise ValueError("attention_mask marks the tokens to append to a cache; pack documents with cu_seqlens "
+                             "instead")
+        h_BTD = self.model(input_ids, cu_seqlens=cu_seqlens, state=state, step=step, inputs_embeds=inputs_embeds)
         return self.lm_head(h_BTD if logits_at is None else h_BTD[:, logits_at])
 
-    def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
-        """An empty cache for `batch_size` sequences of up to `max_length` tokens, on the model's device."""
-        w = self.lm_head.weight
-        return HybridCache(self.config, batch_size, max_length, w.dtype, w.device)
+    def new_cache(self, batch_size: int, max_length: int) -> Cache:
+        """An empty cache for `batch_size` sequences of up to `max_length` tokens, on the model's device (its
+        state declared by the layers: under tensor parallelism, this rank's heads)."""
+        return Cache(self, batch_size, max_length)
 
     def init_weights(self, seed: int | None = None) -> "K3ForCausalLM":
         """Fresh training init (see `kimik3.model.init`), seeding torch's global generator when `seed` is given.
@@ -149,14 +154,14 @@ class K3ForConditionalGeneration(nn.Module):
                              f"{feats_ND.shape[0]} tokens (per image: {tokens_per_image(grid_thws)})")
         return h_BTD.masked_scatter(slots_BT[..., None], feats_ND.to(h_BTD.dtype))
 
-    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, cache: HybridCache | None = None,
-                attention_mask: Tensor | None = None, step: CacheStep | None = None,
-                pixel_values: Tensor | None = None, grid_thws: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, cache: Cache | None = None,
+                attention_mask: Tensor | None = None, pixel_values: Tensor | None = None,
+                grid_thws: Tensor | None = None) -> Tensor:
         """As K3ForCausalLM.forward; `pixel_values` [Npatch, 3, 14, 14] and `grid_thws` [Nimg, 3] (from
         `kimik3.vision.process_images`) splice images into the media-pad positions."""
         embeds = self.embed(input_ids, pixel_values, grid_thws) if pixel_values is not None else None
         return self.language_model(input_ids, cu_seqlens=cu_seqlens, cache=cache, attention_mask=attention_mask,
-                                   step=step, inputs_embeds=embeds)
+                                   inputs_embeds=embeds)
 
-    def new_cache(self, batch_size: int, max_length: int) -> HybridCache:
+    def new_cache(self, batch_size: int, max_length: int) -> Cache:
         return self.language_model.new_cache(batch_size, max_length)

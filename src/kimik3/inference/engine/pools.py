@@ -1,4 +1,4 @@
-"""Who owns which rows of the `PagedCache`: KDA slots (one per running sequence) and ref-counted MLA blocks
+"""Who owns which rows of the `StatePool`: KDA slots (one per running sequence) and ref-counted MLA blocks
 (shared by every sequence and prefix-cache entry that holds the same prefix).
 
 With `poison=True` (tests) a slot or block going back to the free list is filled with NaN, so any later
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from kimik3.model.cache import PagedCache
+from kimik3.model.state import SlotState, StatePool
 
 
 class SlotPool:
-    def __init__(self, cache: PagedCache, poison: bool = False):
-        self.cache, self.poison = cache, poison
-        self.free = list(range(cache.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+    def __init__(self, pool: StatePool, poison: bool = False):
+        self.pool, self.poison = pool, poison
+        self.free = list(range(pool.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     def __len__(self) -> int:
         return len(self.free)
@@ -23,40 +23,32 @@ class SlotPool:
     def allocate(self) -> int:
         """A slot whose state is zero (a sequence's start: empty recurrent state, zero conv padding)."""
         slot = self.free.pop()
-        for pool in self.cache.kda:
-            for t in pool.tensors():
-                t[slot].zero_()
+        self.pool.fill_slot(slot, 0.0)
         return slot
 
     def release(self, slot: int) -> None:
         assert slot not in self.free, f"slot {slot} released twice"
         if self.poison:
-            for pool in self.cache.kda:
-                for t in pool.tensors():
-                    t[slot].fill_(float("nan"))
+            self.pool.fill_slot(slot, float("nan"))
         self.free.append(slot)
 
     def copy(self, src: int, dst: int) -> None:
-        for pool in self.cache.kda:
-            for t in pool.tensors():
-                t[dst].copy_(t[src])
+        self.pool.copy_slot(src, dst)
 
-    def save(self, slot: int) -> list[torch.Tensor]:
-        """A copy of the slot's state, every KDA layer's (recurrent, conv q, k, v) in order."""
-        return [t[slot].clone() for pool in self.cache.kda for t in pool.tensors()]
+    def save(self, slot: int) -> SlotState:
+        return self.pool.save_slot(slot)
 
-    def load(self, slot: int, saved: list[torch.Tensor]) -> None:
+    def load(self, slot: int, saved: SlotState) -> None:
         """Copy-on-write restore: the snapshot is copied into the sequence's own slot, never shared."""
-        for t, s in zip((t for pool in self.cache.kda for t in pool.tensors()), saved):
-            t[slot].copy_(s)
+        self.pool.load_slot(slot, saved)
 
 
 class BlockPool:
-    def __init__(self, cache: PagedCache, poison: bool = False):
-        self.cache, self.poison = cache, poison
-        self.size = cache.block_size
-        self.free = list(range(cache.num_blocks - 1, -1, -1))
-        self.refs = [0] * cache.num_blocks
+    def __init__(self, pool: StatePool, poison: bool = False):
+        self.pool, self.poison = pool, poison
+        self.size = pool.block_size
+        self.free = list(range(pool.num_blocks - 1, -1, -1))
+        self.refs = [0] * pool.num_blocks
 
     def __len__(self) -> int:
         return len(self.free)
@@ -75,20 +67,29 @@ class BlockPool:
         self.refs[block] -= 1
         if self.refs[block] == 0:
             if self.poison:
-                for pool in self.cache.mla:
-                    pool.latent[self._rows(block)].fill_(float("nan"))
+                self.pool.fill_block(block, float("nan"))
             self.free.append(block)
 
     def copy(self, src: int, dst: int, rows: int) -> None:
         """Copy the first `rows` positions of block src into block dst (copy-on-write of a partial block)."""
-        for pool in self.cache.mla:
-            pool.latent[dst * self.size: dst * self.size + rows].copy_(pool.latent[src * self.size:
-                                                                                   src * self.size + rows])
+        self.pool.copy_block(src, dst, rows)
 
-    def finite(self, blocks: list[int], length: int) -> bool:
-        """Whether the latents of the first `length` positions held by `blocks` are all finite."""
-        rows = torch.cat([torch.arange(b * self.size, b * self.size + self.size) for b in blocks])[:length]
-        return all(bool(torch.isfinite(pool.latent[rows.to(pool.latent.device)]).all()) for pool in self.cache.mla)
+    def fork(self, blocks: list[int], length: int) -> list[int] | None:
+        """The block list of a new holder of positions [0, length) of `blocks`: the full blocks shared (one more
+        reference each), the partial last one copied (copy-on-write: the holder writes past `length`). None if
+        no block is free for the copy (nothing is taken then)."""
+        full, part = divmod(length, self.size)
+        if part and not self.free:
+            return None
+        out = list(blocks[:full])
+        for b in out:
+            self.ref(b)
+        if part:
+            b = self.allocate()
+            self.copy(blocks[full], b, part)
+            out.append(b)
+        return out
 
-    def _rows(self, block: int) -> slice:
-        return slice(block * self.size, (block + 1) * self.size)
+    def finite(self, blocks: list[int], length: int):
+        """Whether the latents of the first `length` positions held by `blocks` are finite (a device bool)."""
+        return self.pool.finite_blocks(blocks, length)

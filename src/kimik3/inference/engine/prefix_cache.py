@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kimik3.inference.engine.config import GRID
 from kimik3.inference.engine.pools import BlockPool
+from kimik3.model.state import SlotState
 
-GRID = 64  # the KDA chunk (kimik3.ops.kda.CHUNK_SIZE): snapshots on its grid keep a restore bitwise on it
 
 
 def root_key(model_id: str, dtype: torch.dtype, cache_salt: str | None, mm_hashes: tuple[str, ...]) -> bytes:
@@ -53,7 +54,7 @@ def grid_keys(root: bytes, tokens: list[int], upto: int) -> list[bytes]:
 class Entry:
     key: bytes
     tokens: tuple[int, ...]  # the prefix itself: a hit compares it
-    state: list[torch.Tensor]  # every KDA layer's (recurrent, conv q, k, v), copies
+    state: SlotState  # every KDA layer's recurrent state and conv tails, a copy
     blocks: list[int]  # MLA blocks of positions [0, len(tokens)), ref-held
     ancestors: list[bytes]  # grid keys of the shorter prefixes of this chain
     under: bytes | None  # an end entry: the grid key it hangs under
@@ -106,10 +107,11 @@ class PrefixCache:
         keys = grid_keys(root, tokens, len(tokens))
         return chain(keys[-1], tokens[GRID * (len(keys) - 1):], b"end"), keys[-1]
 
-    def insert(self, root: bytes, tokens: list[int], state: list[torch.Tensor], blocks: list[int],
-               finite_latents: bool) -> bool:
+    def insert(self, root: bytes, tokens: list[int], state: SlotState, blocks: list[int],
+               finite_latents: torch.Tensor) -> bool:
         """Add the state after `tokens` (a copy the caller made; `blocks` get one more reference each).
-        Refused (False) if it is not finite (counted), already present, or larger than the whole budget."""
+        Refused (False) if it is not finite (counted: one host sync over the snapshot and the latents of
+        `blocks`, given as a device bool), already present, or larger than the whole budget."""
         p = len(tokens)
         keys = grid_keys(root, tokens, p)
         if p % GRID == 0:
@@ -119,10 +121,10 @@ class PrefixCache:
         if key in self.entries:
             self._touch(self.entries[key])
             return False
-        if not finite_latents or not all(bool(torch.isfinite(t).all()) for t in state):
+        if not bool(finite_latents & state.finite()):
             self.nonfinite_refused += 1
             return False
-        nbytes = sum(t.nbytes for t in state)
+        nbytes = state.nbytes
         new_blocks = sum(1 for b in blocks if b not in self.block_holds)
         if nbytes + new_blocks * self.block_bytes > self.budget:
             return False
@@ -169,8 +171,8 @@ class PrefixCache:
                 del self.block_holds[b]
             self.blocks.unref(b)
         if self.poison:
-            for t in e.state:
-                t.fill_(float("nan"))
+            e.state.recurrent.fill_(float("nan"))
+            e.state.conv.fill_(float("nan"))
         self.snapshot_bytes -= e.nbytes
 
     def reset(self) -> None:

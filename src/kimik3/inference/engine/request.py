@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from kimik3.inference.sampling import SamplingParams
+from kimik3.tokenizer.stops import StopDecoder
 
 
 class TokenConstraint(Protocol):
@@ -34,6 +35,7 @@ class Request:
     constraint: TokenConstraint | None = None
     # for n > 1 the engine forks the request into n sequences; each gets constraint_factory() if given
     constraint_factory: Callable[[], TokenConstraint] | None = None
+    mm_embeds: torch.Tensor | None = None  # [pads, D] what each <|media_pad|> of the prompt embeds to, in order
 
 
 @dataclass
@@ -45,12 +47,21 @@ class TokenLogprob:
 
 @dataclass
 class SequenceOutput:
+    """What one step added to a choice (vLLM's DELTA outputs); `Engine.generate` returns them accumulated."""
+
     index: int
-    token_ids: list[int]  # all generated ids so far
-    new_token_ids: list[int]  # ids generated since the previous step() output
-    logprobs: list[TokenLogprob] | None
+    token_ids: list[int]  # ids generated in this step (all of them, in an accumulated output)
+    logprobs: list[TokenLogprob] | None  # theirs, when requested
+    text: str  # their visible text (the engine has a tokenizer; stop strings cut it), else ""
     finish_reason: str | None  # None while running; "stop" | "length" | "abort"
     stop_reason: int | str | None
+
+    def extend(self, delta: SequenceOutput) -> None:
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.text += delta.text
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 @dataclass
@@ -103,15 +114,21 @@ class Sequence:
     stop_reason: int | str | None = None
     reported: int = 0  # output tokens already returned by step()
     counts: TokenCounts | None = None  # made by the sampler on the first step with a penalty
+    text: StopDecoder | None = None  # visible text and stop strings (the engine has a tokenizer)
+    new_text: str = ""  # visible text since the last output
 
     @property
     def num_prompt(self) -> int:
         return len(self.group.request.prompt_ids)
 
-    @property
-    def output(self) -> list[int]:
-        """The output ids as a fresh list (a copy: O(length))."""
-        return self.tokens[self.num_prompt:]
+    def take_output(self) -> tuple[list[int], list[TokenLogprob] | None, str]:
+        """The ids, logprobs and text added since the last call (O(new), not O(length))."""
+        start = self.num_prompt + self.reported
+        ids = self.tokens[start:]
+        lps = self.logprobs[self.reported:] if self.logprobs is not None else None
+        text, self.new_text = self.new_text, ""
+        self.reported += len(ids)
+        return ids, lps, text
 
     @property
     def params(self) -> SamplingParams:
@@ -127,6 +144,7 @@ class RequestState:
     forked: bool = False  # n > 1: the other n-1 sequences exist (made when the prompt's prefill ends)
     reserved: list[int] = field(default_factory=list)  # n > 1: their KDA slots, taken at admission
     cached_tokens: int = 0
+    media: list[int] = field(default_factory=list)  # prompt positions of the <|media_pad|> ids (mm_embeds rows)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_scheduled: float | None = None
     first_token: float | None = None

@@ -1,9 +1,9 @@
-"""The forward of one engine step: pack the scheduled chunks in one row, build the `PagedStep`, run the model,
-return the logits of the rows that sample and the KDA states the step exported. Decode-only steps replay a
-CUDA graph captured per batch bucket (static shapes: the MLA keys span the whole block table, padding rows
-point at the pool's scratch slot and block).
+"""The forward of one engine step: pack the scheduled chunks in one row, build the `Step`, run the model, return
+the logits of the rows that sample and the KDA states the step exported. Decode-only steps replay a CUDA graph
+captured per batch bucket: static shapes, padding rows on the pool's scratch slot and block, and block tables
+read from a persistent device table indexed by slot (updated by the blocks each step adds, never rebuilt).
 
-Legend: N sequences in the step, T packed tokens, M logit rows, MB blocks per block table, V vocabulary.
+Legend: N sequences in the step, T packed tokens, M logit rows, MB blocks per table, S slots, V vocabulary.
 """
 
 from __future__ import annotations
@@ -14,80 +14,118 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.inference.engine.scheduler import Chunk
-from kimik3.model.cache import PagedCache, paged_step
-from kimik3.model.mla import EXPANDED_FROM_TOKENS
+from kimik3.model.state import StatePool
+from kimik3.model.step import build_step, decode_step
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+class BlockTable:
+    """Each slot's block list on the device ([S+1, MB], the scratch slot's row all scratch block), kept in step
+    with the sequences' host lists by writing only the entries that changed."""
+
+    def __init__(self, pool: StatePool, max_blocks: int):
+        self.pad = pool.scratch_block
+        self.table = torch.full((pool.num_slots + 1, max_blocks), self.pad, dtype=torch.long, device=pool.device)
+        self.rows: list[list[int]] = [[] for _ in range(pool.num_slots + 1)]
+
+    def sync(self, chunks: list[Chunk]) -> None:
+        idx, val = [], []
+        for c in chunks:
+            slot, blocks = c.seq.slot, c.seq.blocks
+            have = self.rows[slot]
+            start = len(have) if blocks[: len(have)] == have else 0
+            if start == 0 and have:  # a new holder of the slot: clear what the last one left past its blocks
+                idx.extend(slot * self.table.shape[1] + j for j in range(len(blocks), len(have)))
+                val.extend([self.pad] * (len(have) - len(blocks)))
+            idx.extend(slot * self.table.shape[1] + j for j in range(start, len(blocks)))
+            val.extend(blocks[start:])
+            self.rows[slot] = list(blocks)
+        if idx:
+            host = torch.tensor([idx, val], dtype=torch.long)
+            dev = host.pin_memory().to(self.table.device, non_blocking=True) if self.table.is_cuda else host
+            self.table.view(-1).index_copy_(0, dev[0], dev[1])
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, cache: PagedCache, max_blocks: int, use_cuda_graphs: bool,
+    def __init__(self, model: nn.Module, pool: StatePool, max_blocks: int, use_cuda_graphs: bool,
                  max_num_seqs: int):
-        self.model, self.cache, self.max_blocks = model, cache, max_blocks
+        self.model, self.pool, self.max_blocks = model, pool, max_blocks
         self.device = next(model.parameters()).device
+        self.table = BlockTable(pool, max_blocks)
         self.graphs: dict[int, _DecodeGraph] = {}
         if use_cuda_graphs:
             sizes = [n for n in GRAPH_BUCKETS if n < max_num_seqs] + [max_num_seqs]
-            pool = torch.cuda.graph_pool_handle()  # one memory pool for all: the largest is captured first
+            handle = torch.cuda.graph_pool_handle()  # one memory pool for all: the largest is captured first
             for n in sorted(sizes, reverse=True):
-                self.graphs[n] = _DecodeGraph(self, n, pool)
+                self.graphs[n] = _DecodeGraph(self, n, handle)
 
-    def _tables(self, chunks: list[Chunk], rows: int | None = None) -> Tensor:
-        """[rows, MB] block tables (host), padded with the scratch block; one tensor built from one list."""
-        pad = self.cache.scratch_block
-        table = [c.seq.blocks + [pad] * (self.max_blocks - len(c.seq.blocks)) for c in chunks]
-        table += [[pad] * self.max_blocks] * ((rows or len(chunks)) - len(chunks))
-        return torch.tensor(table, dtype=torch.long)
-
-    def run(self, chunks: list[Chunk], logit_rows: list[int]) -> tuple[Tensor, list | None]:
-        """Run the chunks; returns (logits [M, V] fp32 at packed rows `logit_rows`, the step's KDA exports)."""
+    def run(self, chunks: list[Chunk], logit_rows: list[int], media: list | None = None
+            ) -> tuple[Tensor, list | None]:
+        """Run the chunks; returns (logits [M, V] fp32 at packed rows `logit_rows`, the step's KDA exports).
+        `media[i]`: None, or (rows of chunk i, their [n, D] embeddings) spliced over the token embeddings."""
         lens = [c.num_tokens for c in chunks]
-        if max(lens) == 1 and len(chunks) in self._graph_sizes() and not any(c.exports for c in chunks):
-            logits = self.graphs[self._bucket(len(chunks))](chunks)
+        exports = [c.exports for c in chunks] if any(c.exports for c in chunks) else None
+        images = media is not None and any(m is not None for m in media)
+        if max(lens) == 1 and self.graphs and len(chunks) <= max(self.graphs) and exports is None and not images:
+            self.table.sync(chunks)
+            logits = self.graphs[next(b for b in sorted(self.graphs) if b >= len(chunks))](chunks)
             return take_rows(logits, logit_rows), None
         ids = torch.tensor([t for c in chunks for t in c.seq.tokens[c.seq.num_computed:
                                                                      c.seq.num_computed + c.num_tokens]])
-        starts = torch.tensor([0, *lens]).cumsum(0)[:-1]
-        cached = torch.tensor([c.seq.num_computed for c in chunks])
-        span = max(c.seq.num_computed + c.num_tokens for c in chunks)
-        d = self.device
-        step = paged_step(total=sum(lens), slots=torch.tensor([c.seq.slot for c in chunks], device=d),
-                          starts=starts.to(d), lens=torch.tensor(lens, device=d), cached=cached.to(d),
-                          block_tables=self._tables(chunks).to(d), block_size=self.cache.block_size,
-                          conv_window=self.cache.conv_window, max_len=max(lens), span=span,
-                          expanded_from=EXPANDED_FROM_TOKENS,
-                          exports=[c.exports for c in chunks] if any(c.exports for c in chunks) else None)
-        logits = self.model(ids[None].to(d), cache=self.cache, step=step,
-                            logits_at=torch.tensor(logit_rows, dtype=torch.long, device=d))[0]
+        step = build_step(slots=[c.seq.slot for c in chunks], cached=[c.seq.num_computed for c in chunks],
+                          lens=lens, tables=[c.seq.blocks for c in chunks], block_size=self.pool.block_size,
+                          conv_window=self.pool.conv_window, pad_block=self.pool.scratch_block, device=self.device,
+                          exports=exports)
+        ids = ids[None].to(self.device)
+        embeds = None
+        if images:
+            embeds = self.model.model.embed_tokens(ids)
+            start = 0
+            for c, m in zip(chunks, media):
+                if m is not None:
+                    embeds[0, [start + r for r in m[0]]] = m[1].to(embeds.dtype)
+                start += c.num_tokens
+        logits = self.model(ids, state=self.pool, step=step, inputs_embeds=embeds,
+                            logits_at=torch.tensor(logit_rows, dtype=torch.long, device=self.device))[0]
         return logits.float(), step.kda_exports
 
-    def _graph_sizes(self) -> range:
-        return range(1, max(self.graphs) + 1) if self.graphs else range(0)
-
-    def _bucket(self, n: int) -> int:
-        return next(b for b in sorted(self.graphs) if b >= n)
+    def warmup(self, max_tokens: int) -> None:
+        """Run each shape the engine meets once on the scratch rows, so nothing compiles or autotunes after it:
+        a prefill chunk per power of two up to `max_tokens` (the expanded and the latent attention), alone and
+        with decode rows beside it (the graphs ran when they were captured)."""
+        scratch, Bs, n = self.pool.scratch_slot, self.pool.block_size, 1
+        while n <= max_tokens:
+            for lens in ([n], [n, 1, 1]):
+                tables = [[self.pool.scratch_block] * -(-m // Bs) for m in lens]
+                step = build_step(slots=[scratch] * len(lens), cached=[0] * len(lens), lens=lens, tables=tables,
+                                  block_size=Bs, conv_window=self.pool.conv_window,
+                                  pad_block=self.pool.scratch_block, device=self.device)
+                ids = torch.zeros(1, sum(lens), dtype=torch.long, device=self.device)
+                self.model(ids, state=self.pool, step=step,
+                           logits_at=torch.zeros(1, dtype=torch.long, device=self.device))
+            n *= 2
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 class _DecodeGraph:
     """One captured decode step for `rows` sequences (real ones first, then padding on the scratch rows).
 
-    With `pool=None` nothing is captured and each call runs the same static step eagerly (the CPU tests check
-    the padding and the whole-table key span this way)."""
+    With `handle=None` nothing is captured and each call runs the same static step eagerly (the CPU tests check
+    the padding this way)."""
 
-    def __init__(self, runner: ModelRunner, rows: int, pool):
+    def __init__(self, runner: ModelRunner, rows: int, handle):
         # a proxy, not a reference: the runner owns its graphs, and a cycle would keep the captured graphs' memory
-        # pool (and the cache) alive after `del engine` until the cycle collector happens to run
+        # pool (and the state pool) alive after `del engine` until the cycle collector happens to run
         self.runner, self.rows = weakref.proxy(runner), rows
-        cache, d = runner.cache, runner.device
         # the inputs are views of one buffer, refilled by one host-to-device copy per step
-        MB = runner.max_blocks
-        self.inputs = torch.zeros(rows * (3 + MB), dtype=torch.long, device=d)
-        self.ids, self.slots, self.cached, tables = self.inputs.split([rows, rows, rows, rows * MB])
-        self.ids, self.tables = self.ids.view(1, rows), tables.view(rows, MB)
-        self.slots.fill_(cache.scratch_slot)
-        self.tables.fill_(cache.scratch_block)
+        self.inputs = torch.zeros(3 * rows, dtype=torch.long, device=runner.device)
+        ids, self.slots, self.cached = self.inputs.split([rows, rows, rows])
+        self.ids = ids.view(1, rows)
+        self.slots.fill_(runner.pool.scratch_slot)
         self.graph = None
-        if pool is None:
+        if handle is None:
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -96,29 +134,47 @@ class _DecodeGraph:
                 self._forward()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
+        with torch.cuda.graph(self.graph, pool=handle), torch.no_grad():
             self.logits = self._forward()
 
     def _forward(self) -> Tensor:
-        r, d = self.runner, self.runner.device
-        ones = torch.ones(self.rows, dtype=torch.long, device=d)
-        step = paged_step(total=self.rows, slots=self.slots, starts=torch.arange(self.rows, device=d), lens=ones,
-                          cached=self.cached, block_tables=self.tables, block_size=r.cache.block_size,
-                          conv_window=r.cache.conv_window, max_len=1, span=r.max_blocks * r.cache.block_size,
-                          expanded_from=EXPANDED_FROM_TOKENS)
-        return r.model(self.ids, cache=r.cache, step=step)[0].float()
+        r = self.runner
+        step = decode_step(self.slots, self.cached, r.table.table[self.slots], block_size=r.pool.block_size,
+                           max_len=r.max_blocks * r.pool.block_size)
+        return r.model(self.ids, state=r.pool, step=step)[0].float()
 
     def __call__(self, chunks: list[Chunk]) -> Tensor:
-        cache, pad = self.runner.cache, self.rows - len(chunks)
-        host = torch.cat([torch.tensor([c.seq.tokens[c.seq.num_computed] for c in chunks] + [0] * pad
-                                       + [c.seq.slot for c in chunks] + [cache.scratch_slot] * pad
-                                       + [c.seq.num_computed for c in chunks] + [0] * pad),
-                          self.runner._tables(chunks, self.rows).flatten()])
+        pad = self.rows - len(chunks)
+        host = torch.tensor([c.seq.tokens[c.seq.num_computed] for c in chunks] + [0] * pad
+                            + [c.seq.slot for c in chunks] + [self.runner.pool.scratch_slot] * pad
+                            + [c.seq.num_computed for c in chunks] + [0] * pad)
         self.inputs.copy_(host.pin_memory() if self.inputs.is_cuda else host, non_blocking=True)
         if self.graph is None:
             return self._forward()
         self.graph.replay()
         return self.logits
+
+
+def logit_rows(chunks: list[Chunk]) -> tuple[list[int], list, list]:
+    """Which packed rows of a step's hidden state go through the LM head: (the rows, each sampling sequence with
+    its row among them, and ((seq, first row, count), chunk) for the prompt-logprob rows)."""
+    rows, samplers, prompt_lp = [], [], []
+    start = 0
+    for c in chunks:
+        seq = c.seq
+        done = seq.num_computed + c.num_tokens == len(seq.tokens)
+        if seq.params.prompt_logprobs is not None and seq.num_computed < seq.num_prompt:
+            upto = min(c.num_tokens, seq.num_prompt - seq.num_computed)
+            prompt_lp.append(((seq, len(rows), upto), c))
+            rows.extend(range(start, start + upto))
+            if done and upto < c.num_tokens:
+                rows.append(start + c.num_tokens - 1)
+        elif done:
+            rows.append(start + c.num_tokens - 1)
+        if done:
+            samplers.append((seq, len(rows) - 1))
+        start += c.num_tokens
+    return rows, samplers, prompt_lp
 
 
 def take_rows(x: Tensor, index: list[int]) -> Tensor:

@@ -13,6 +13,8 @@ tokens added since its last step: a step's cost does not grow with the lengths o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -82,8 +84,10 @@ def penalize(x_MV: Tensor, seqs: list[Sequence]) -> Tensor:
     return x_MV
 
 
-def sample(logits_MV: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of logits_MV (row i belongs to seqs[i]); with their logprobs where requested."""
+def sample(logits_MV: Tensor, seqs: list[Sequence], sync: Callable[[Tensor], object] | None = None
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of logits_MV (row i belongs to seqs[i]); with their logprobs where requested.
+    `sync` is called in place on the sampled ids [M] before they are read (ranks generating together)."""
     device, (M, V) = logits_MV.device, logits_MV.shape
     x = logits_MV.float()
     params = [s.params for s in seqs]
@@ -106,11 +110,13 @@ def sample(logits_MV: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Tok
         # whose raw values the logprobs below report
         x = x.masked_fill(banned, float("-inf"))
     if all(p.temperature == 0 for p in params):  # what draw returns for these rows, without its vocabulary sort
-        tokens = x.argmax(-1).tolist()
+        picked = x.argmax(-1)
     else:
-        tokens = draw(x, f([p.temperature for p in params]), f([p.top_k or V for p in params], torch.long),
-                      f([p.top_p for p in params]), f([p.min_p for p in params]),
-                      [s.generator for s in seqs]).tolist()
+        picked = draw(x, f([p.temperature for p in params]), f([p.top_k or V for p in params], torch.long),
+                      f([p.top_p for p in params]), f([p.min_p for p in params]), [s.generator for s in seqs])
+    if sync is not None:
+        sync(picked)
+    tokens = picked.tolist()
     logprobs: list[TokenLogprob | None] = [None] * M
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:

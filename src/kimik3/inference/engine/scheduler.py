@@ -14,8 +14,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kimik3.inference.engine.pools import BlockPool, SlotPool
-from kimik3.inference.engine.prefix_cache import GRID, PrefixCache
-from kimik3.inference.engine.request import RequestState, Sequence, Status
+from kimik3.inference.engine.config import GRID
+from kimik3.inference.engine.prefix_cache import PrefixCache
+from kimik3.inference.engine.request import RequestState, Sequence, Status, TokenLogprob
 
 
 @dataclass
@@ -27,10 +28,12 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, slots: SlotPool, blocks: BlockPool, cache: PrefixCache | None, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, snapshot_interval: int, interior_snapshots: bool):
+                 max_num_batched_tokens: int, snapshot_interval: int, interior_snapshots: bool,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
         self.slots, self.blocks, self.cache = slots, blocks, cache
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.snapshot_interval, self.interior_snapshots = snapshot_interval, interior_snapshots
+        self.max_model_len, self.eos = max_model_len, eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -113,21 +116,15 @@ class Scheduler:
         slot = self.slots.allocate()
         if hit is not None:
             self.slots.load(slot, hit.state)
-            p, size = len(hit.tokens), self.blocks.size
-            full = p // size
-            for b in hit.blocks[:full]:
-                self.blocks.ref(b)
-            seq.blocks = list(hit.blocks[:full])
-            if p % size:  # the partial last block is copied: this sequence writes past p into its own copy
-                if not len(self.blocks):
-                    self.cache.evict(need_free_blocks=1)
-                if not len(self.blocks):
-                    self._release(seq, slot)
-                    return False
-                b = self.blocks.allocate()
-                self.blocks.copy(hit.blocks[full], b, p % size)
-                seq.blocks.append(b)
-            seq.num_computed = p
+            p = len(hit.tokens)
+            blocks = self.blocks.fork(hit.blocks, p)
+            if blocks is None:  # the partial last block is copied: room for it first
+                self.cache.evict(need_free_blocks=1)
+                blocks = self.blocks.fork(hit.blocks, p)
+            if blocks is None:
+                self._release(seq, slot)
+                return False
+            seq.blocks, seq.num_computed = blocks, p
         seq.slot = slot
         n = self._chunk_size(seq, budget)
         if n == 0 or not self._reserve(seq, n):
@@ -163,6 +160,64 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.preemptions += 1
+
+    def update(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        """Append a sampled token, then the stop checks in order: a stop id, a finished grammar, a stop string,
+        the length. A sequence that stops leaves its end snapshot and gives back its slot and blocks."""
+        p = seq.params
+        seq.tokens.append(token)
+        if p.logprobs is not None:
+            seq.logprobs = seq.logprobs if seq.logprobs is not None else []
+            seq.logprobs.append(logprob)
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
+        stop_id = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos)
+        if seq.text is not None and not stop_id:  # the stop id's own text is never shown
+            seq.new_text += seq.text.push([token])
+        if stop_id:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif seq.constraint is not None and seq.constraint.is_finished():
+            seq.finish_reason = "stop"
+        elif seq.text is not None and seq.text.hit is not None:
+            seq.finish_reason, seq.stop_reason = "stop", seq.text.hit
+        elif len(seq.tokens) - seq.num_prompt >= p.max_new_tokens or len(seq.tokens) >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.stop(seq, seq.finish_reason, seq.stop_reason)
+
+    def stop(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish a sequence that ended normally: snapshot its end state (prompt + output so far; the last
+        sampled token is not computed yet) so a follow-up prompt starting with all of it hits, then free it."""
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.text is not None:
+            seq.new_text += seq.text.flush()
+        p = seq.num_computed
+        if self.cache is not None and seq.params.prompt_logprobs is None and p:
+            blocks = seq.blocks[: -(-p // self.blocks.size)]
+            self.cache.insert(seq.group.root_key, seq.tokens[:p], self.slots.save(seq.slot), blocks,
+                              self.blocks.finite(blocks, p))
+        self.finish(seq)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> list[Sequence]:
+        """n > 1: the other choices start from a copy of the parent's state (its KDA slot copied, its full MLA
+        blocks shared, the partial last one copied on write). Those with no room recompute later; the running
+        ones are returned."""
+        out = []
+        for child in children:
+            child.slot = parent.group.reserved.pop()
+            self.slots.copy(parent.slot, child.slot)
+            parent.group.seqs.append(child)
+            self.running.append(child)
+            blocks = self.blocks.fork(parent.blocks, parent.num_computed)
+            if blocks is None and self.cache is not None:
+                self.cache.evict(need_free_blocks=1)
+                blocks = self.blocks.fork(parent.blocks, parent.num_computed)
+            if blocks is None:  # no room: this choice recomputes its prompt later
+                self.preempt(child, unreserve=False)
+                continue
+            child.blocks = blocks
+            out.append(child)
+        return out
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:

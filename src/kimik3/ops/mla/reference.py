@@ -44,3 +44,37 @@ def mla_latent_attention(q: Tensor, latent: Tensor, kv_b_weight: Tensor, *, qk_n
     # and the value up-projection into the output: sum_s p W_vb c_s = W_vb (sum_s p c_s)
     o_lat_BTHC = torch.einsum("bhts,bsc->bthc", p_BHTS, c_BSC)
     return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_vb_HVC).to(q.dtype)
+
+
+
+def paged_latent_attention(q_THK: Tensor, latent_pool_XC: Tensor, kv_b_weight: Tensor, *, block_tables_NM: Tensor,
+                           cu_seqlens_q: Tensor, seq_lens_N: Tensor, block_size: int, qk_nope_head_dim: int,
+                           scale: float, max_seq_len: int | None = None, attend=None) -> Tensor:
+    """Absorbed latent attention of packed queries over a paged latent cache; see kimik3.ops.mla. The reference
+    gathers each sequence's keys up to the longest length (not the whole block table), pads the queries to
+    [N, Tq] and runs `attend` (default: the reference `mla_latent_attention`) under the causal mask."""
+    T, H, _ = q_THK.shape
+    N = seq_lens_N.shape[0]
+    if N == 0:
+        return q_THK.new_zeros(T, H, kv_b_weight.shape[0] // H - qk_nope_head_dim)
+    S = int(seq_lens_N.max()) if max_seq_len is None else max_seq_len
+    device = q_THK.device
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    tq = T if N == 1 else (1 if T == N else int(q_lens.max()))
+    s = torch.arange(S, device=device)
+    blocks_NS = block_tables_NM.gather(1, (s // block_size).clamp(max=block_tables_NM.shape[1] - 1).expand(N, -1))
+    valid_NS = s[None] < seq_lens_N[:, None]
+    # rows past a sequence's length may be stale or NaN: zeroed, as 0 * NaN in the value product would leak
+    lat_NSX = torch.where(valid_NS[..., None], latent_pool_XC[blocks_NS * block_size + s % block_size], 0)
+    j = torch.arange(tq, device=device)
+    q_valid = j[None] < q_lens[:, None]
+    q_index = torch.where(q_valid, cu_seqlens_q[:-1, None] + j, cu_seqlens_q[:-1, None])
+    qpos_NJ = seq_lens_N[:, None] - q_lens[:, None] + j
+    mask = valid_NS[:, None] & (s[None, None] <= qpos_NJ[..., None])
+    mask = torch.where(q_valid[..., None], mask, s[None, None] == 0)  # padding queries: key 0, finite
+    o_NJHV = (attend or mla_latent_attention)(q_THK[q_index], lat_NSX, kv_b_weight,
+                                              qk_nope_head_dim=qk_nope_head_dim, scale=scale, mask=mask)
+    if tq == 1:
+        return o_NJHV[:, 0]
+    seq = torch.repeat_interleave(torch.arange(N, device=device), q_lens, output_size=T)
+    return o_NJHV.flatten(0, 1)[seq * tq + torch.arange(T, device=device) - cu_seqlens_q[seq]]

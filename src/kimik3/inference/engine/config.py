@@ -1,0 +1,68 @@
+"""The engine's runtime knobs, frozen and validated once (the CLI builds it from `add_engine_args`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kimik3.ops.kda.reference import CHUNK_SIZE
+
+GRID = CHUNK_SIZE  # snapshots and prefill chunks sit on the KDA chunk grid: a restore chunks as a cold run
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches and caches.
+
+    Attributes:
+        max_num_seqs: running sequences at most (KDA slots).
+        max_num_batched_tokens: tokens per step (prefill chunks + decodes); at least 64.
+        max_model_len: prompt + output tokens per sequence (None: the model's max_position_embeddings).
+        enable_prefix_cache: reuse computed prefixes.
+        prefix_cache_bytes: the budget over KDA snapshots and the MLA blocks the cache holds (None: 16 snapshots
+            plus a quarter of the block pool).
+        block_size: MLA block size in tokens (a divisor of 64, the snapshot grid).
+        num_blocks: MLA pool blocks (None: every running sequence at max_model_len; on CUDA at most half the
+            free memory, and at least one sequence's worth).
+        snapshot_interval: grid positions (multiples of 64) that get a prefix snapshot besides each prompt's
+            last grid point and each finished request's end.
+        use_cuda_graphs: replay captured decode-only steps (None: on CUDA in bf16/fp16).
+        warmup: run every step shape the engine will meet (prefill chunks, each graph) once at start, so
+            the first requests meet no kernel compile or autotuning.
+        poison: fill freed slots, freed blocks and evicted snapshots with NaN (tests: a stale read fails).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None
+    block_size: int = 64
+    num_blocks: int | None = None
+    snapshot_interval: int = 256
+    use_cuda_graphs: bool | None = None
+    warmup: bool = False
+    poison: bool = False
+
+    def __post_init__(self) -> None:
+        def whole(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        checks = (
+            ("max_num_seqs", whole(self.max_num_seqs) and self.max_num_seqs >= 1, "an integer >= 1"),
+            ("max_num_batched_tokens", whole(self.max_num_batched_tokens) and self.max_num_batched_tokens >= GRID,
+             f"an integer >= {GRID} (one KDA chunk)"),
+            ("max_model_len", self.max_model_len is None or (whole(self.max_model_len) and self.max_model_len >= 2),
+             "an integer >= 2 (a prompt token and an output token)"),
+            ("prefix_cache_bytes", self.prefix_cache_bytes is None or (whole(self.prefix_cache_bytes)
+                                                                       and self.prefix_cache_bytes >= 0),
+             "an integer >= 0"),
+            ("block_size", whole(self.block_size) and self.block_size >= 1 and GRID % self.block_size == 0,
+             f"a divisor of {GRID} (the snapshot grid)"),
+            ("num_blocks", self.num_blocks is None or (whole(self.num_blocks) and self.num_blocks >= 1),
+             "an integer >= 1"),
+            ("snapshot_interval", whole(self.snapshot_interval) and self.snapshot_interval >= GRID
+             and self.snapshot_interval % GRID == 0, f"a positive multiple of {GRID}"),
+        )
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")

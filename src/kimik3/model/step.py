@@ -1,0 +1,168 @@
+"""A `Step`: the new tokens of N sequences packed in one row [1, T], and where each reads and writes its state.
+
+Legend: N sequences, T packed tokens, W conv window, MB blocks per block table, Bs block size, Tq the longest
+long chunk, Sk its key span, E exported snapshots. Sequence n owns KDA slot `slots[n]` and the MLA blocks of its
+block table; it has `cached[n]` tokens in the pool and brings `lens[n]` new ones.
+
+MLA splits the step by chunk length: short chunks (decode rows, speculative drafts) attend in the latent space
+through `kimik3.ops.mla.paged_latent_attention`, whose work follows each sequence's cached tokens; long chunks
+(prefill) expand their keys per head and attend under a mask over just their own key span. So a prefill chunk
+never pads the decode rows that share its step to its length, and no step's work grows with `max_model_len`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kimik3.ops.mla import EXPANDED_FROM_TOKENS
+
+
+@dataclass
+class LongChunks:
+    """The prefill chunks of a step, each attending over its own keys (expanded, padded to [Nl, Tq])."""
+
+    rows: Tensor  # [Tl] packed rows of their tokens
+    q_index: Tensor  # [Nl, Tq] rows of `rows`-order tokens of each chunk (padded with its first)
+    unpack: Tensor  # [Tl] rows of the flattened [Nl*Tq] outputs that are the chunks' tokens
+    key_index: Tensor  # [Nl, Sk] latent pool rows of each chunk's keys
+    key_valid: Tensor  # [Nl, Sk] bool
+    mask: Tensor  # [Nl, Tq, Sk] bool
+
+
+@dataclass
+class Step:
+    decode_only: bool  # every chunk is one token: KDA runs its recurrent kernel over N rows
+    cu_seqlens: Tensor  # [N+1] chunk boundaries in the packed row
+    slots: Tensor  # [N]
+    block_size: int
+    write_index: Tensor  # [T] latent pool rows of the new tokens
+    # short chunks: all of them when `short_rows` is None (a decode step), else those rows of the packed row
+    short_rows: Tensor | None
+    short_cu: Tensor  # [Ns+1] their query boundaries
+    short_lens: Tensor  # [Ns] keys of each (cached + new)
+    short_tables: Tensor  # [Ns, MB]
+    short_max_len: int  # a host bound on short_lens
+    long: LongChunks | None = None
+    conv_index: Tensor | None = None  # [W, T] rows of cat(new pre-conv inputs [T], slot tails [N*(W-1)]) per tap
+    tail_index: Tensor | None = None  # [N, W-1] rows of the same that become each slot's new tail
+    checkpoints: list[list[int]] | None = None  # per sequence: chunk offsets (< its length) to export inside
+    export_tail_index: Tensor | None = None  # [E, W-1] conv-tail rows of each export
+    export_pick: Tensor | None = None  # [E] rows of cat(interior checkpoints [M], final states [N])
+    kda_exports: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None  # filled per KDA layer, in order
+
+    @property
+    def num_short(self) -> int:
+        return self.short_lens.shape[0]
+
+
+def decode_step(slots: Tensor, cached: Tensor, tables: Tensor, *, block_size: int, max_len: int) -> Step:
+    """One new token for each of N sequences, from device tensors only (a CUDA graph captures it with buffers
+    it refills before each replay). `max_len` bounds cached + 1 (static under a graph)."""
+    N, device = slots.shape[0], slots.device
+    pos = cached
+    write = tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
+    cu = torch.arange(N + 1, device=device)
+    return Step(decode_only=True, cu_seqlens=cu, slots=slots, block_size=block_size, write_index=write, short_rows=None, short_cu=cu,
+                short_lens=cached + 1, short_tables=tables, short_max_len=max_len)
+
+
+def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: list[list[int]], block_size: int,
+               conv_window: int, pad_block: int, device: torch.device,
+               exports: list[list[int]] | None = None) -> Step:
+    """The step of N chunks from host lists (eager steps: every shape is known here, nothing is read back).
+
+    Args:
+        slots, cached, lens: [N] each sequence's KDA slot, tokens already cached, new tokens.
+        tables: N block lists (covering cached + lens positions); padded with `pad_block` to the longest.
+        exports: per sequence, offsets from its chunk start (multiples of the KDA chunk, at most its length)
+            where the KDA state is exported into `step.kda_exports`.
+    """
+    N, W, T = len(slots), conv_window, sum(lens)
+    if lens == [1] * N and not (exports and any(exports)):
+        width = max(map(len, tables))
+        t = torch.tensor([b + [pad_block] * (width - len(b)) for b in tables], dtype=torch.long)
+        return decode_step(torch.tensor(slots, device=device), torch.tensor(cached, device=device), t.to(device),
+                           block_size=block_size, max_len=max(cached) + 1)
+    dev = lambda x: torch.as_tensor(x, dtype=torch.long).to(device)  # noqa: E731
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    seq_T = torch.repeat_interleave(torch.arange(N), torch.tensor(lens), output_size=T)
+    off_T = torch.arange(T) - torch.tensor(starts)[seq_T]
+    starts_t = torch.tensor(starts)
+
+    def ext_rows(seq: Tensor, off: Tensor) -> Tensor:
+        """Row in cat(new [T], tails [N*(W-1)]) of the pre-conv input at chunk offset `off` of sequence `seq`
+        (negative offsets reach into the sequence's cached tail, oldest row first)."""
+        return torch.where(off >= 0, starts_t[seq] + off, T + seq * (W - 1) + (W - 1) + off)
+
+    taps, rows = torch.arange(W), torch.arange(W - 1)
+    conv_index = ext_rows(seq_T[None], off_T[None] - (W - 1) + taps[:, None])
+    tail_index = ext_rows(torch.arange(N)[:, None], torch.tensor(lens)[:, None] - (W - 1) + rows)
+    pos_T = torch.tensor(cached)[seq_T] + off_T
+    width = max(map(len, tables))
+    table_NM = torch.tensor([b + [pad_block] * (width - len(b)) for b in tables], dtype=torch.long)
+    write_index = table_NM[seq_T, pos_T // block_size] * block_size + pos_T % block_size
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    short = [n for n in range(N) if lens[n] < EXPANDED_FROM_TOKENS]
+    long = [n for n in range(N) if lens[n] >= EXPANDED_FROM_TOKENS]
+    short_rows = torch.cat([torch.arange(starts[n], starts[n] + lens[n]) for n in short]) if short else \
+        torch.zeros(0, dtype=torch.long)
+    step = Step(decode_only=False, cu_seqlens=dev(cu), slots=dev(slots), block_size=block_size,
+                write_index=write_index.to(device),
+                short_rows=short_rows.to(device) if len(short) < N else None,
+                short_cu=dev(torch.tensor([0, *(lens[n] for n in short)]).cumsum(0)),
+                short_lens=dev([cached[n] + lens[n] for n in short]), short_tables=table_NM[short].to(device),
+                short_max_len=max((cached[n] + lens[n] for n in short), default=0),
+                long=_long_chunks(long, starts, cached, lens, table_NM, block_size, device) if long else None,
+                conv_index=conv_index.to(device), tail_index=tail_index.to(device))
+    if exports is not None and any(exports):
+        _add_exports(step, exports, lens, ext_rows, rows, device)
+    return step
+
+
+def _long_chunks(long: list[int], starts: list[int], cached: list[int], lens: list[int], table_NM: Tensor,
+                 block_size: int, device: torch.device) -> LongChunks:
+    tq = max(lens[n] for n in long)
+    sk = max(cached[n] + lens[n] for n in long)
+    rows = torch.cat([torch.arange(starts[n], starts[n] + lens[n]) for n in long])
+    firsts = torch.tensor([0, *(lens[n] for n in long)]).cumsum(0)[:-1]
+    ln = torch.tensor([lens[n] for n in long])
+    cn = torch.tensor([cached[n] for n in long])
+    j = torch.arange(tq)
+    q_valid = j[None] < ln[:, None]
+    q_index = torch.where(q_valid, firsts[:, None] + j, firsts[:, None])
+    seq = torch.repeat_interleave(torch.arange(len(long)), ln)
+    unpack = seq * tq + (torch.arange(rows.shape[0]) - firsts[seq])
+    s = torch.arange(sk)
+    key_index = table_NM[long][:, s // block_size] * block_size + s % block_size
+    key_valid = s[None] < (cn + ln)[:, None]
+    mask = key_valid[:, None] & (s[None, None] <= (cn[:, None] + j)[..., None])
+    # a padding query sees only key 0 (always real): its ignored output stays finite
+    mask = torch.where(q_valid[..., None], mask, s[None, None] == 0)
+    to = lambda x: x.to(device)  # noqa: E731
+    return LongChunks(to(rows), to(q_index), to(unpack), to(key_index), to(key_valid), to(mask))
+
+
+def _add_exports(step: Step, exports: list[list[int]], lens: list[int], ext_rows, rows: Tensor,
+                 device: torch.device) -> None:
+    interior = [[o for o in offs if o < n] for offs, n in zip(exports, lens)]
+    M, pick, e_seq, e_off = sum(map(len, interior)), [], [], []
+    m = 0
+    for n, offs in enumerate(exports):
+        for o in offs:
+            if not 0 < o <= lens[n]:
+                raise ValueError(f"export offset {o} is outside sequence {n}'s chunk of {lens[n]} tokens")
+            pick.append(m if o < lens[n] else M + n)
+            m += o < lens[n]
+            e_seq.append(n)
+            e_off.append(o)
+    step.checkpoints = interior if M else None
+    # rows = arange(W-1): the W-1 pre-conv inputs ending at each export's offset
+    step.export_tail_index = ext_rows(torch.tensor(e_seq)[:, None],
+                                      torch.tensor(e_off)[:, None] - rows.shape[0] + rows).to(device)
+    step.export_pick = torch.tensor(pick, device=device)
+    step.kda_exports = []
