@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kimik3.model import K3ForCausalLM
-from kimik3.model.cache import KDAState, MLALatents
-from kimik3.model.mla import EXPANDED_FROM_TOKENS
+from kimik3.model.state import KDAView, MLAView
+from kimik3.ops.mla import EXPANDED_FROM_TOKENS
 from tests.helpers import randomize, rel_err
 
 
@@ -50,7 +50,8 @@ def test_multi_token_decode(model):
 @torch.no_grad()
 @pytest.mark.parametrize("lengths", [(9, 3, 14), (EXPANDED_FROM_TOKENS + 5, 3, 40)])
 def test_ragged_left_padded_batch_equals_each_alone(model, lengths):
-    """Left padding: pads stay out of MLA, leave the KDA state untouched, and feed the convs zeros."""
+    """Masked-out tokens are not appended: each row computes what it would alone. With a long row beside short
+    ones, one step carries an expanded chunk and latent-attention rows together."""
     V, pad = model.config.vocab_size, model.config.pad_token_id
     prompts = [torch.randint(0, V, (n,)) for n in lengths]
     steps = 6
@@ -72,19 +73,20 @@ def test_ragged_left_padded_batch_equals_each_alone(model, lengths):
 
 @torch.no_grad()
 def test_decode_does_not_recompute_the_prefix(model):
-    """Every projection sees only the new token; KDA work is O(1) per token, MLA attends S = t keys."""
+    """Every projection sees only the new tokens (one per row); KDA work is O(1) per token, MLA attends
+    S = t keys."""
     seen_tokens, mla_keys = [], []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: seen_tokens.append(inp[0].shape[1]))
+    hooks = [m.register_forward_hook(lambda mod, inp, out: seen_tokens.append(inp[0].numel() // inp[0].shape[-1]))
              for name, m in model.named_modules() if name.endswith(("q_proj", "q_a_proj"))]
     import kimik3.model.mla as mla_mod
 
-    real = mla_mod.mla_latent_attention
+    real = mla_mod.paged_latent_attention
 
     def spy(q, latent, *a, **kw):
-        mla_keys.append(latent.shape[1])
+        mla_keys.append(kw["max_seq_len"])
         return real(q, latent, *a, **kw)
 
-    mla_mod.mla_latent_attention = spy
+    mla_mod.paged_latent_attention = spy
     try:
         ids = torch.randint(0, model.config.vocab_size, (2, 40))
         cache = model.new_cache(2, 40)
@@ -93,44 +95,33 @@ def test_decode_does_not_recompute_the_prefix(model):
         for t in range(32, 40):
             model(ids[:, t:t + 1], cache=cache)
     finally:
-        mla_mod.mla_latent_attention = real
+        mla_mod.paged_latent_attention = real
         for h in hooks:
             h.remove()
     n_attn = len(model.config.layer_types)
-    assert seen_tokens == [1] * (8 * n_attn)
+    assert seen_tokens == [2] * (8 * n_attn)
     n_mla = model.config.layer_types.count("mla")
     assert mla_keys == [t + 1 for t in range(32, 40) for _ in range(n_mla)]
 
 
 def test_cache_shapes_and_errors(model, tiny_config):
+    """The layers declare their state; the pool stacks it over layers (one tensor per kind)."""
     cache = model.new_cache(2, 16)
     t = tiny_config.text
-    kinds = [type(layer) for layer in cache.layers]
-    assert kinds == [KDAState if k == "kda" else MLALatents for k in t.layer_types]
-    kda = next(layer for layer in cache.layers if isinstance(layer, KDAState))
-    assert kda.recurrent.shape == (2, t.kda.num_heads, t.kda.head_dim, t.kda.head_dim)
-    assert kda.recurrent.dtype == torch.float32
-    assert kda.conv_q.shape == (2, t.kda.short_conv_kernel_size - 1, t.kda.proj_dim)
-    mla = next(layer for layer in cache.layers if isinstance(layer, MLALatents))
-    assert mla.latent.shape == (2, 16, t.mla.kv_lora_rank + t.mla.qk_rope_head_dim)
+    pool = cache.pool
+    kinds = [type(layer) for layer in pool.layers]
+    assert kinds == [KDAView if k == "kda" else MLAView for k in t.layer_types]
+    n_kda, n_mla = t.layer_types.count("kda"), t.layer_types.count("mla")
+    W, P = t.kda.short_conv_kernel_size, t.kda.proj_dim
+    assert pool.recurrent.shape == (n_kda, 3, t.kda.num_heads, t.kda.head_dim, t.kda.head_dim)  # 2 slots + scratch
+    assert pool.recurrent.dtype == torch.float32
+    assert pool.conv.shape == (n_kda, 3, 3, W - 1, P)
+    assert pool.latent.shape[0] == n_mla and pool.latent.shape[2] == t.mla.kv_lora_rank + t.mla.qk_rope_head_dim
+    kda = next(layer for layer in pool.layers if isinstance(layer, KDAView))
+    assert kda.recurrent.data_ptr() == pool.recurrent[0].data_ptr()  # views, not copies
     with pytest.raises(ValueError, match="holds 16 tokens"):
         model(torch.zeros(2, 17, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="attention_mask"):
         model(torch.zeros(2, 4, dtype=torch.long), cache=model.new_cache(2, 8), attention_mask=torch.ones(2, 5))
     with pytest.raises(ValueError, match="cu_seqlens"):
         model(torch.zeros(1, 4, dtype=torch.long), cache=model.new_cache(1, 8), cu_seqlens=torch.tensor([0, 4]))
-
-
-@torch.no_grad()
-def test_static_decode_step_equals_eager(model):
-    """The CUDA-graph form of a decode step (span = max_length, positions as a device tensor) == eager."""
-    ids = torch.randint(0, model.config.vocab_size, (2, 20))
-    eager = model.new_cache(2, 32)
-    static = model.new_cache(2, 32)
-    model(ids[:, :12], cache=eager), model(ids[:, :12], cache=static)
-    for t in range(12, 20):
-        a = model(ids[:, t:t + 1], cache=eager)
-        step = static.make_step(torch.tensor([static.length]), None, span=static.max_length)
-        static.length += 1
-        b = model(ids[:, t:t + 1], cache=static, step=step)
-        assert rel_err(b, a) < 1e-6

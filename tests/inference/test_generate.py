@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kimik3.inference import Sampler, SamplingParams, generate, stream
+from kimik3.inference import SamplingParams, generate, stream
+from kimik3.inference.sampling import draw, repetition_penalty
 from kimik3.model import K3ForCausalLM
 from tests.helpers import randomize
 
@@ -13,6 +14,18 @@ class CharTokenizer:
 
     def decode(self, ids):
         return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    def decode_bytes(self, ids):
+        return self.decode(ids).encode()
+
+
+def sample(params, logits):
+    """The engine sampler's draw, one row per SamplingParams (each with its own seeded generator)."""
+    V = logits.shape[-1]
+    f = lambda xs, dtype=torch.float32: torch.tensor(xs, dtype=dtype)  # noqa: E731
+    gens = [torch.Generator().manual_seed(p.seed if p.seed is not None else 0) for p in params]
+    return draw(logits.float(), f([p.temperature for p in params]), f([p.top_k or V for p in params], torch.long),
+                f([p.top_p for p in params]), f([p.min_p for p in params]), gens)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +58,7 @@ def test_valid_sampling_values_of_other_types():
     assert p.stop == ("a",) and p.stop_token_ids == (1,) and type(p.stop_token_ids[0]) is int
     logits = torch.randn(2, 10)
     extremes = [p, SamplingParams(temperature=0, seed=2**64 - 1)]  # the seed range's ends build generators
-    assert torch.equal(Sampler(extremes, 10).sample(logits), logits.argmax(-1))
+    assert torch.equal(sample(extremes, logits), logits.argmax(-1))
 
 
 @torch.no_grad()
@@ -62,20 +75,20 @@ def test_sampler_rows_are_exactly_independent_of_the_batch():
     """What holds in any dtype: given the same logits, a seeded row draws the same tokens whatever else shares
     its batch (its own generator, its own filters). The model's logits are what may differ (see the next test)."""
     V = 300
-    mine = SamplingParams(temperature=0.9, top_p=0.8, top_k=50, min_p=0.01, repetition_penalty=1.3, seed=11)
-    others = [SamplingParams(temperature=0.3, seed=2), SamplingParams(temperature=0),
-              SamplingParams(top_k=3, repetition_penalty=2.0)]
-    alone, crowd = Sampler([mine], V), Sampler([others[0], mine, *others[1:]], V)
-    prompt = torch.randint(0, V, (1, 6))
-    alone.observe(prompt)
-    crowd.observe(torch.cat([torch.randint(0, V, (1, 6)), prompt, torch.randint(0, V, (2, 6))]))
-    for _ in range(40):
-        logits = torch.randn(1, V) * 3
-        t = alone.sample(logits)
-        batch = crowd.sample(torch.cat([torch.randn(1, V), logits, torch.randn(2, V)]))
-        assert batch[1] == t[0]
-        alone.observe(t[:, None])
-        crowd.observe(batch[:, None])
+    mine = SamplingParams(temperature=0.9, top_p=0.8, top_k=50, min_p=0.01, seed=11)
+    others = [SamplingParams(temperature=0.3, seed=2), SamplingParams(temperature=0), SamplingParams(top_k=3)]
+    logits = torch.randn(40, V) * 3
+    # one stream of draws alone vs in a crowd, each row keeping its own generator across calls
+    g_alone, g_crowd = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    f = lambda xs, dtype=torch.float32: torch.tensor(xs, dtype=dtype)  # noqa: E731
+    ps = [others[0], mine, *others[1:]]
+    for row in logits:
+        a = draw(row[None], f([mine.temperature]), f([mine.top_k], torch.long), f([mine.top_p]), f([mine.min_p]),
+                 [g_alone])
+        b = draw(torch.cat([torch.randn(1, V), row[None], torch.randn(2, V)]), f([p.temperature for p in ps]),
+                 f([p.top_k or V for p in ps], torch.long), f([p.top_p for p in ps]), f([p.min_p for p in ps]),
+                 [torch.Generator(), g_crowd, torch.Generator(), torch.Generator()])
+        assert b[1] == a[0]
 
 
 def test_seeded_request_is_independent_of_its_batch(model):
@@ -97,28 +110,27 @@ def test_filters_that_leave_one_token_are_greedy():
     logits = torch.randn(4, 50)
     params = [SamplingParams(top_k=1, seed=0), SamplingParams(min_p=1.0, seed=1),
               SamplingParams(top_p=1e-6, seed=2), SamplingParams(temperature=0)]
-    assert torch.equal(Sampler(params, 50).sample(logits), logits.argmax(-1))
+    assert torch.equal(sample(params, logits), logits.argmax(-1))
 
 
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
-    s = Sampler([SamplingParams(seed=i) for i in range(4000)], 5)
-    counts = torch.bincount(s.sample(logits.expand(4000, 5)), minlength=5).float() / 4000
+    s = sample([SamplingParams(seed=i) for i in range(4000)], logits.expand(4000, 5))
+    counts = torch.bincount(s, minlength=5).float() / 4000
     assert (counts - logits.softmax(0)).abs().max() < 0.03
-    hot = Sampler([SamplingParams(seed=i, temperature=0.25) for i in range(4000)], 5)
-    assert torch.bincount(hot.sample(logits.expand(4000, 5)), minlength=5)[0] > 3800  # sharper
-    k2 = Sampler([SamplingParams(seed=i, top_k=2) for i in range(500)], 5)
-    assert set(k2.sample(logits.expand(500, 5)).tolist()) == {0, 1}
+    hot = sample([SamplingParams(seed=i, temperature=0.25) for i in range(4000)], logits.expand(4000, 5))
+    assert torch.bincount(hot, minlength=5)[0] > 3800  # sharper
+    k2 = sample([SamplingParams(seed=i, top_k=2) for i in range(500)], logits.expand(500, 5))
+    assert set(k2.tolist()) == {0, 1}
 
 
 def test_repetition_penalty():
-    logits = torch.tensor([[3.0, 2.9, -1.0, -1.1]])
-    s = Sampler([SamplingParams(temperature=0, repetition_penalty=2.0)], 4)
-    s.observe(torch.tensor([[0, 2]]))
-    assert s.sample(logits).item() == 1  # 3.0 / 2 < 2.9
-    s2 = Sampler([SamplingParams(temperature=0, repetition_penalty=2.0)], 4)
-    s2.observe(torch.tensor([[2]]))
-    assert s2.sample(torch.tensor([[-3.0, -5.0, -1.0, -1.1]])).item() == 3  # negatives are multiplied
+    pen = torch.tensor([2.0])
+    seen = torch.tensor([[True, False, True, False]])
+    assert repetition_penalty(torch.tensor([[3.0, 2.9, -1.0, -1.1]]), seen, pen).argmax().item() == 1  # 3.0/2 < 2.9
+    seen = torch.tensor([[False, False, True, False]])
+    x = repetition_penalty(torch.tensor([[-3.0, -5.0, -1.0, -1.1]]), seen, pen)
+    assert x.argmax().item() == 3  # negatives are multiplied
 
 
 def test_stop_ids_and_strings_per_sequence(model):

@@ -16,13 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
-from kimik3.model.state import KDAView, MLAView
-from kimik3.model.step import Step
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.mla import MultiHeadLatentAttention
 from kimik3.model.mlp import MLP
 from kimik3.model.moe import LatentMoE
 from kimik3.model.norm import RMSNorm
+from kimik3.model.state import KDAView, MLAView
+from kimik3.model.step import Step
 from kimik3.ops.attnres import attn_res_mix
 
 

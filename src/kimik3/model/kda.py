@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
+from kimik3.model.norm import GatedRMSNorm
 from kimik3.model.state import KDAStateSpec, KDAView
 from kimik3.model.step import Step
-from kimik3.model.norm import GatedRMSNorm
 from kimik3.ops.kda import chunk_kda_with_gate, chunk_kda_with_gate_checkpoints, recurrent_kda_with_gate
 from kimik3.ops.shortconv import decode_short_conv, gathered_short_conv, short_conv
 

@@ -7,14 +7,16 @@ import torch
 
 from kimik3.inference import SamplingParams
 from kimik3.inference.engine import Request
+from kimik3.inference.engine.request import accumulate
+from kimik3.tokenizer.stops import StopDecoder
 from tests.inference.engine.conftest import greedy, make_engine, random_prompts, reference_tokens
 
 
-def drain(engine) -> dict:
-    outs = {}
+def drain(engine, outs: dict | None = None) -> dict:
+    """Every request's whole output (the steps' deltas accumulated, into `outs` if given)."""
+    outs = {} if outs is None else outs
     while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id] = o
+        accumulate(outs, engine.step())
     return outs
 
 
@@ -23,17 +25,19 @@ def test_abort_frees_before_the_next_forward(model):
     engine = make_engine(model)
     engine.add_request(Request("keep", prompts[0], greedy(6)))
     engine.add_request(Request("drop", prompts[1], greedy(50)))
-    engine.step()
+    outs = {}
+    accumulate(outs, engine.step())
     engine.abort("drop")
     engine.abort("never-seen")  # ignored
     assert engine.stats["running"] == 1 and engine.stats["aborts"] == 1
     first = engine.step()
     dropped = next(o for o in first if o.request_id == "drop")
     assert dropped.finished and dropped.outputs[0].finish_reason == "abort"
-    outs = drain(engine)
+    accumulate(outs, first)
+    drain(engine, outs)
     assert outs["keep"].outputs[0].token_ids == reference_tokens(model, prompts[:1], greedy(6))[0]
-    assert len(engine.slots) == engine.cache.num_slots and len(engine.blocks) + sum(
-        1 for r in engine.blocks.refs if r) == engine.cache.num_blocks
+    assert len(engine.slots) == engine.pool.num_slots and len(engine.blocks) + sum(
+        1 for r in engine.blocks.refs if r) == engine.pool.num_blocks
 
 
 def test_refusals_name_the_problem(model):
@@ -78,8 +82,8 @@ def test_stop_ids_eos_and_ignore_eos(model):
 
 def test_stop_strings_with_a_tokenizer(model):
     class Digits:
-        def decode(self, ids):
-            return " ".join(map(str, ids))
+        def decode_bytes(self, ids):
+            return "".join(f" {i}" for i in ids).encode()
 
     prompt = random_prompts(model.config.vocab_size, (30,), generator_seed=22)[0]
     free = reference_tokens(model, [prompt], greedy(8))[0]
@@ -155,8 +159,11 @@ class _Bytes:
         self.decoded = 0
 
     def decode(self, ids):
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids):
         self.decoded += len(ids)
-        return bytes(ids).decode("utf-8", errors="replace")
+        return bytes(ids)
 
 
 def _first_stop_by_full_decode(decode, tokens, start, stops):
@@ -170,11 +177,10 @@ def _first_stop_by_full_decode(decode, tokens, start, stops):
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_stop_hit_equals_decoding_the_whole_output(seed):
-    """`stop_hit` on a tail finds the same stop at the same token as the full decode, over multi-byte text split
-    into bytes (windows cut through characters), several stops, and stops that repeat earlier text."""
-    from kimik3.inference.engine.engine import stop_hit
-
+def test_stop_decoder_equals_decoding_the_whole_output(seed):
+    """The incremental matcher finds the same stop at the same token as decoding the whole output after each
+    token, and shows exactly the text before it, over multi-byte text split into bytes, several stops, and
+    stops that repeat earlier text."""
     gen = torch.Generator().manual_seed(seed)
     alphabet = ["a", "b", " ", "é", "漢", "🙂", "\n"]
     text = "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (300,), generator=gen).tolist())
@@ -183,21 +189,22 @@ def test_stop_hit_equals_decoding_the_whole_output(seed):
     stops = [text[i: i + 1 + (i % 7)] for i in pick] + ["never"]
     tok = _Bytes()
     expected = _first_stop_by_full_decode(tok.decode, tokens, 3, stops)
-    found = None
+    matcher, shown, found = StopDecoder(tok, stops), "", None
     for end in range(4, len(tokens) + 1):
-        hit = stop_hit(tok.decode, tokens[:end], 3, stops)
-        if hit is not None:
-            found = (end, hit)
+        shown += matcher.push(tokens[end - 1: end])
+        if matcher.hit is not None:
+            found = (end, matcher.hit)
             break
     assert found == expected
+    full = tok.decode(tokens[3: found[0]])
+    assert shown == full[: full.find(found[1])]
 
 
-def test_stop_hit_cost_does_not_grow_with_the_output():
-    """A 20,000-token output with a stop that never comes: the tokens decoded per check stay bounded (decoding the
-    whole output after each token would be 200 million)."""
-    from kimik3.inference.engine.engine import stop_hit
-
+def test_stop_decoder_cost_does_not_grow_with_the_output():
+    """A 20,000-token output with a stop that never comes: each token is decoded once (decoding the whole output
+    after each token would be 200 million)."""
     tok, tokens = _Bytes(), list(b"ab" * 10_000)
-    for end in range(1, len(tokens) + 1):
-        assert stop_hit(tok.decode, tokens[:end], 0, ["zz", "a b"]) is None
-    assert tok.decoded < 40 * len(tokens)
+    matcher = StopDecoder(tok, ["zz", "a b"])
+    shown = "".join(matcher.push([t]) for t in tokens) + matcher.flush()
+    assert matcher.hit is None and shown == "ab" * 10_000
+    assert tok.decoded == len(tokens)

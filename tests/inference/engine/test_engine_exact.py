@@ -6,6 +6,7 @@ import torch
 
 from kimik3.inference import generate
 from kimik3.inference.engine import Request
+from kimik3.inference.engine.request import accumulate
 from tests.helpers import rel_err
 from tests.inference.engine.conftest import full_logprobs, greedy, make_engine, random_prompts, reference_tokens
 
@@ -35,7 +36,7 @@ def test_eight_mixed_lengths_chunked(model):
         assert out.outputs[0].token_ids == want
         check_logprobs(model, prompt, out.outputs[0], 3)
     assert engine.stats["running"] == engine.stats["waiting"] == 0
-    assert len(engine.slots) == engine.cache.num_slots  # every slot back
+    assert len(engine.slots) == engine.pool.num_slots  # every slot back
 
 
 def test_admitted_mid_run(model):
@@ -48,13 +49,11 @@ def test_admitted_mid_run(model):
     for i in range(3):
         engine.add_request(Request(str(i), prompts[i], params))
     for _ in range(3):
-        for out in engine.step():
-            done[out.request_id] = out
+        accumulate(done, engine.step())
     for i in range(3, 6):
         engine.add_request(Request(str(i), prompts[i], params))
     while engine.has_unfinished():
-        for out in engine.step():
-            done[out.request_id] = out
+        accumulate(done, engine.step())
     assert [done[str(i)].outputs[0].token_ids for i in range(6)] == ref
 
 
@@ -66,8 +65,7 @@ def test_streamed_new_tokens_add_up(model):
     pieces = {"0": [], "1": []}
     while engine.has_unfinished():
         for out in engine.step():
-            pieces[out.request_id] += out.outputs[0].new_token_ids
-            assert out.outputs[0].token_ids == pieces[out.request_id]
+            pieces[out.request_id] += out.outputs[0].token_ids  # a step's output is its delta
     assert [pieces["0"], pieces["1"]] == reference_tokens(model, prompts, greedy(5))
 
 
@@ -146,7 +144,7 @@ def test_engine_with_decode_graphs_is_freed_without_the_cycle_collector(model):
     engine.runner.graphs = {n: _DecodeGraph(engine.runner, n, None) for n in (1, 2)}
     engine.generate([[5, 6, 7]], greedy(2))
     gc.collect()
-    alive, cache = weakref.ref(engine), weakref.ref(engine.runner.cache)
+    alive, cache = weakref.ref(engine), weakref.ref(engine.runner.pool)
     gc.disable()
     try:
         del engine

@@ -9,6 +9,7 @@ import pytest
 
 from kimik3.inference import SamplingParams
 from kimik3.inference.engine import Engine, Request
+from kimik3.inference.engine.request import accumulate
 from tests.inference.engine.conftest import reference_tokens
 
 
@@ -23,15 +24,15 @@ def test_random_scenarios_equal_generate(model, seed):
     probe = Engine(model, max_num_seqs=1, max_model_len=512, block_size=bs, num_blocks=1)
     engine = Engine(model, max_num_seqs=nseq, max_num_batched_tokens=budget, max_model_len=512, block_size=bs,
                     num_blocks=max(need + 1, 12 * 16 // bs), snapshot_interval=64, poison=True,
-                    prefix_cache_bytes=3 * probe.cache.slot_bytes + 24 * probe.cache.block_bytes)
+                    prefix_cache_bytes=3 * probe.pool.slot_bytes + 24 * probe.pool.block_bytes)
     pending, outs = list(enumerate(reqs)), {}
     while pending or engine.has_unfinished():
         if pending and rng.random() < 0.5:
             i, (p, n, k) = pending.pop(0)
             engine.add_request(Request(str(i), p, SamplingParams(temperature=0, max_new_tokens=n, n=k)))
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        accumulate(outs, engine.step())
     for i, (p, n, k) in enumerate(reqs):
         want = reference_tokens(model, [p], SamplingParams(temperature=0, max_new_tokens=n))[0]
         assert [c.token_ids for c in outs[str(i)].outputs] == [want] * k, i
-    assert len(engine.slots) == engine.cache.num_slots
+    assert len(engine.slots) == engine.pool.num_slots
     assert engine.prefix.nbytes <= engine.prefix.budget

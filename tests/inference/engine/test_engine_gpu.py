@@ -9,6 +9,7 @@ import torch
 from kimik3.config import K3Config
 from kimik3.inference import SamplingParams, generate
 from kimik3.inference.engine import Engine, Request
+from kimik3.inference.engine.request import accumulate
 from kimik3.model import K3ForCausalLM
 from tests.helpers import CONFIGS, randomize, rel_err, requires_cuda
 
@@ -119,6 +120,5 @@ def test_abort_under_graphs(models):
     eng.abort("0")
     outs = {}
     while eng.has_unfinished():
-        for o in eng.step():
-            outs[o.request_id] = o
+        accumulate(outs, eng.step())
     assert outs["1"].outputs[0].finish_reason == "length" and len(eng.slots) == 8

@@ -7,17 +7,17 @@ import torch
 
 from kimik3.inference import SamplingParams
 from kimik3.inference.engine import Request
+from kimik3.inference.engine.request import accumulate
 from tests.helpers import rel_err
 from tests.inference.engine.conftest import full_logprobs, greedy, make_engine, random_prompts, reference_tokens
 
 
 def run_one(engine, rid, prompt, params):
     engine.add_request(Request(rid, prompt, params))
-    out = None
+    outs = {}
     while engine.has_unfinished():
-        for o in engine.step():
-            out = o if o.request_id == rid else out
-    return out
+        accumulate(outs, engine.step())
+    return outs[rid]
 
 
 @pytest.mark.parametrize("shared", [63, 64, 65, 127, 128, 129])  # the 64-token grid and MLA's 128-token switch
@@ -48,7 +48,7 @@ def test_a_b_a_interleaving_with_a_three_snapshot_budget(model):
     params = greedy(3)
     want = reference_tokens(model, [a, b], params)
     probe = make_engine(model)
-    budget = 3 * probe.cache.slot_bytes + 16 * probe.cache.block_bytes
+    budget = 3 * probe.pool.slot_bytes + 16 * probe.pool.block_bytes
     engine = make_engine(model, prefix_cache_bytes=budget)
     hits = 0
     for r in range(20):
@@ -89,7 +89,7 @@ def test_n3_forks_one_prefilled_state(model):
     assert len({tuple(s.token_ids) for s in out.outputs}) > 1
     g = engine.generate([prompt], greedy(6, n=3))[0]
     assert [s.token_ids for s in g.outputs] == reference_tokens(model, [prompt], greedy(6)) * 3
-    assert len(engine.slots) == engine.cache.num_slots
+    assert len(engine.slots) == engine.pool.num_slots
 
 
 def test_second_turn_hits_the_first_turns_end(model):
@@ -123,14 +123,14 @@ def test_non_finite_state_is_refused(model):
     prompt = random_prompts(V, (100,), generator_seed=13)[0]
     engine = make_engine(model)
     engine.add_request(Request("bad", prompt, greedy(4)))
-    engine.step()  # the prefill: its grid snapshot at 64 is taken (finite)
+    outs = {}
+    accumulate(outs, engine.step())  # the prefill: its grid snapshot at 64 is taken (finite)
     seq = engine.requests["bad"].seqs[0]
-    engine.cache.kda[0].recurrent[seq.slot].fill_(float("inf"))  # poison the running state on purpose
-    out = None
+    engine.pool.recurrent[0, seq.slot].fill_(float("inf"))  # poison the running state on purpose
     while engine.has_unfinished():
-        out = engine.step()[0] if engine.has_unfinished() else out
+        accumulate(outs, engine.step())
     assert engine.stats["nonfinite_refused"] >= 1
-    full = prompt + out.outputs[0].token_ids
+    full = prompt + outs["bad"].outputs[0].token_ids
     follow = run_one(engine, "next", full + [1, 2], greedy(3))
     assert follow.cached_tokens == 64  # the clean grid snapshot, never the poisoned end state
     assert follow.outputs[0].token_ids == reference_tokens(model, [full + [1, 2]], greedy(3))[0]

@@ -20,10 +20,18 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor, nn
 
-from kimik3.inference.engine.config import GRID, EngineConfig
+from kimik3.inference.engine.config import EngineConfig
 from kimik3.inference.engine.pools import BlockPool, SlotPool
 from kimik3.inference.engine.prefix_cache import PrefixCache, root_key
-from kimik3.inference.engine.request import Request, RequestOutput, RequestState, Sequence, SequenceOutput, Status
+from kimik3.inference.engine.request import (
+    Request,
+    RequestOutput,
+    RequestState,
+    Sequence,
+    SequenceOutput,
+    Status,
+    accumulate,
+)
 from kimik3.inference.engine.runner import ModelRunner, logit_rows, take_rows
 from kimik3.inference.engine.sampler import sample, token_logprobs
 from kimik3.inference.engine.scheduler import Chunk, Scheduler
@@ -181,16 +189,9 @@ class Engine:
         acc: dict[str, RequestOutput] = {}
         done = 0
         while done < len(ids):
-            for out in self.step():
-                a = acc.setdefault(out.request_id, dataclasses.replace(out, outputs=[]))
-                have = {o.index: o for o in a.outputs}
-                for o in out.outputs:
-                    if o.index in have:
-                        have[o.index].extend(o)
-                    else:
-                        a.outputs.append(dataclasses.replace(o, token_ids=list(o.token_ids)))
-                a.outputs.sort(key=lambda o: o.index)
-                a.finished, a.prompt_logprobs, a.metrics = out.finished, out.prompt_logprobs, out.metrics
+            outs = self.step()
+            accumulate(acc, outs)
+            for out in outs:
                 if out.finished:
                     done += 1
                     if progress is not None:

@@ -7,8 +7,6 @@ read of it that is not overwritten first turns a test's logits into NaN instead 
 
 from __future__ import annotations
 
-import torch
-
 from kimik3.model.state import SlotState, StatePool
 
 

@@ -28,7 +28,6 @@ from kimik3.inference.engine.pools import BlockPool
 from kimik3.model.state import SlotState
 
 
-
 def root_key(model_id: str, dtype: torch.dtype, cache_salt: str | None, mm_hashes: tuple[str, ...]) -> bytes:
     """Everything besides the token ids that changes the state (all media hashes go in the root: two
     prompts with different images share nothing, which is conservative and exact)."""

@@ -3,6 +3,7 @@ bookkeeping the scheduler keeps between steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +74,25 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens not recomputed (prefix-cache hit)
     prompt_logprobs: list[TokenLogprob | None] | None  # first entry None
     metrics: dict  # arrival, first_token, finished (time.monotonic()), queue_time
+
+
+def accumulate(acc: dict[str, RequestOutput], outs: list[RequestOutput]) -> None:
+    """Fold one step's outputs (deltas) into whole ones in `acc`, by request id: every id, logprob and text so far,
+    and the latest finish state and metrics."""
+    for out in outs:
+        a = acc.get(out.request_id)
+        if a is None:
+            a = acc[out.request_id] = dataclasses.replace(out, outputs=[])
+        have = {o.index: o for o in a.outputs}
+        for o in out.outputs:
+            if o.index in have:
+                have[o.index].extend(o)
+            else:
+                a.outputs.append(dataclasses.replace(o, token_ids=list(o.token_ids),
+                                                     logprobs=None if o.logprobs is None else list(o.logprobs)))
+        a.outputs.sort(key=lambda o: o.index)
+        a.finished, a.cached_tokens, a.prompt_logprobs, a.metrics = (out.finished, out.cached_tokens,
+                                                                     out.prompt_logprobs, out.metrics)
 
 
 class Status(Enum):

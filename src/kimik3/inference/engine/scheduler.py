@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kimik3.inference.engine.pools import BlockPool, SlotPool
 from kimik3.inference.engine.config import GRID
+from kimik3.inference.engine.pools import BlockPool, SlotPool
 from kimik3.inference.engine.prefix_cache import PrefixCache
 from kimik3.inference.engine.request import RequestState, Sequence, Status, TokenLogprob
 
