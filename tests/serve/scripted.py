@@ -28,6 +28,7 @@ class ScriptedEngine:
         self.active: dict[str, dict] = {}
         self.seen_prompts: set[tuple[int, ...]] = set()
         self.aborted: list[str] = []
+        self.stopped: list[str] = []
         self.added: list = []
         self.reset_calls = 0
         self.steps = 0
@@ -59,6 +60,16 @@ class ScriptedEngine:
         if self.active.pop(request_id, None) is not None:
             self.aborted.append(request_id)
             self._stats["aborts"] += 1
+
+    def stop(self, request_id: str, stop_reason=None) -> None:
+        """The engine contract's normal end: the next step returns the request finished with reason "stop"."""
+        self.thread_ids.add(threading.get_ident())
+        st = self.active.get(request_id)
+        if st is not None:
+            self.stopped.append(request_id)
+            for seq in st["seqs"]:
+                if seq["finish"] is None:
+                    seq["finish"], seq["reason"] = "stop", stop_reason
 
     def has_unfinished(self) -> bool:
         return bool(self.active)
@@ -114,8 +125,9 @@ class ScriptedEngine:
                                        for p, t in enumerate(req.prompt_ids[1:])]
             outputs.append(RequestOutput(
                 rid, list(req.prompt_ids),
-                [SequenceOutput(i, list(s["out"]), list(s["new"]), list(s["lps"]) if params.logprobs is not None
-                                else None, s["finish"], self.eos_id if s["finish"] == "stop" else None)
+                [SequenceOutput(i, list(s["new"]), list(s["lps"][len(s["out"]) - len(s["new"]):])
+                                if params.logprobs is not None else None, "", s["finish"],
+                                s.get("reason", self.eos_id if s["finish"] == "stop" else None))
                  for i, s in enumerate(st["seqs"])],
                 finished, st["cached"], prompt_lps, {"queue_time": 0.0, "arrival": st["arrival"]}))
             if finished:

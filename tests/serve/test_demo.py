@@ -163,3 +163,37 @@ def test_disconnect_frees_the_slot(served):
         time.sleep(0.02)
     assert server.runner.stats["running"] == 0 and server.runner.stats["aborts"] == aborts + 1
     assert server.runner._pending == 0
+
+
+def _finished_by_reason(url: str, reason: str) -> float:
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines
+               if line.startswith("kimik3:request_success_total") and f'finish_reason="{reason}"' in line)
+
+
+def test_stop_string_finishes_counts_once_and_leaves_the_end_snapshot(served, model, demo_tok):
+    """A stop string ends the request with reason "stop" (not an abort), counted once in /metrics, and the end
+    snapshot it leaves is hit by the next turn's prompt (turn 1's ids + the answer + more)."""
+    url, engine, server = served
+    client = _client(url)
+    prompt = demo_tok.encode(" ".join(LINES[:3]))
+    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    text = free.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop and stop in text
+    httpx.post(f"{url}/reset_prefix_cache").raise_for_status()
+    before = (_finished_by_reason(url, "stop"), server.runner.stats["aborts"])
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.find(stop)]
+    deadline = time.monotonic() + 30
+    while server.runner.stats.get("running", 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (_finished_by_reason(url, "stop"), server.runner.stats["aborts"]) == (before[0] + 1, before[1])
+    # the answer's ids: what an engine of the same model computes in-process, stopping at the same token
+    answer = _engine(model, demo_tok).generate([prompt], SamplingParams(temperature=0, max_new_tokens=24,
+                                                                        stop=(stop,)))[0].outputs[0].token_ids
+    assert demo_tok.decode(answer).startswith(r.choices[0].text)
+    nxt = client.completions.create(model=MODEL, prompt=prompt + answer + demo_tok.encode(" More."), max_tokens=2,
+                                    temperature=0)
+    # the end snapshot holds turn 1's prompt and output except the last sampled token (never fed to the model)
+    assert nxt.usage.prompt_tokens_details.cached_tokens >= len(prompt) + len(answer) - 1

@@ -159,8 +159,9 @@ def test_thinking_off_effort_and_stop_strings(demo_tok):
         r = client.chat.completions.create(model=MODEL, messages=USER, reasoning_effort="none", stop=["a st"])
         assert r.choices[0].message.content == "All the world's " and r.choices[0].finish_reason == "stop"
         assert engine.added[0].prompt_ids == encode_chat(demo_tok, USER, thinking=False, thinking_effort=None)
-        _wait(lambda: engine.aborted)
-        assert engine.aborted == [engine.added[0].request_id]  # the engine was told to stop
+        _wait(lambda: engine.stopped)
+        # the engine was told to finish it normally (reason "stop", not an abort: its end snapshot is kept)
+        assert engine.stopped == [engine.added[0].request_id] and not engine.aborted
         r = client.chat.completions.create(model=MODEL, messages=USER, stream=True, stop="stage",
                                            extra_body={"thinking": {"type": "disabled"}})
         assert "".join(c.choices[0].delta.content or "" for c in r) == "All the world's a "

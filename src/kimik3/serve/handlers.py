@@ -97,14 +97,15 @@ class _Job:
         finally:
             self.abort()  # cancelled (stream closed) or finished early (stop strings): free the slots
 
-    def finish_early(self, request_id: str) -> None:
-        """Every choice of a request ended on a stop string: the engine need not go on."""
+    def finish_early(self, request_id: str, stop_reason: str | None) -> None:
+        """Every choice of a request ended on a stop string (matched here, over the parsed text): the engine
+        finishes it normally (reason "stop", its end snapshot taken for the next turn), not as an abort."""
         if self.live.pop(request_id, None) is not None:
-            self.server.runner.abort(request_id)
+            self.server.runner.stop(request_id, stop_reason)
 
     def _time(self, out) -> None:
         now = time.monotonic()
-        if any(s.new_token_ids for s in out.outputs):
+        if any(s.token_ids for s in out.outputs):
             m = self.server.metrics
             if self.first is None:
                 self.first = now
@@ -113,7 +114,7 @@ class _Job:
                 if queue_time is not None:
                     m.queue.observe(queue_time)
             elif self.last is not None:
-                m.itl.observe((now - self.last) / max(1, max(len(s.new_token_ids) for s in out.outputs)))
+                m.itl.observe((now - self.last) / max(1, max(len(s.token_ids) for s in out.outputs)))
             self.last = now
         self.cached = max(self.cached, out.cached_tokens or 0)
 
@@ -216,7 +217,7 @@ async def chat_completion(server, http: Request, body: dict):
                 if not delta.empty():
                     yield delta
             if not out.finished and all(c.finished for c in choices):
-                job.finish_early(request_id)
+                job.finish_early(request_id, choices[0].stop_reason)
 
     if not plan.sampling.stream:
         acc = [{"reasoning": "", "content": "", "tool_calls": [], "logprobs": []} for _ in range(n)]
@@ -291,7 +292,8 @@ async def completion(server, http: Request, body: dict):
         budget = server.max_tokens(len(ids), plan.sampling.max_tokens, default=_COMPLETION_DEFAULT_MAX_TOKENS)
         budgets.append(budget)
         params = _sampling_params(**sampling_kwargs(plan.sampling, budget, logprobs=plan.logprobs,
-                                                    prompt_logprobs=plan.logprobs if plan.echo else None))
+                                                    prompt_logprobs=plan.logprobs if plan.echo else None,
+                                                    engine_stops=True))
         requests.append(_engine_request(request_id=f"{request_id}-{k}", prompt_ids=ids, params=params,
                                         cache_salt=plan.cache_salt))
     choices = [TextChoice(k * n + i, tok, stops=plan.sampling.stop, logprobs=plan.logprobs,
@@ -320,7 +322,7 @@ async def completion(server, http: Request, body: dict):
                 if not delta.empty():
                     yield k, delta
             if not out.finished and all(c.finished for c in choices[k * n:(k + 1) * n]):
-                job.finish_early(out.request_id)
+                job.finish_early(out.request_id, choices[k * n].stop_reason)
 
     if not plan.sampling.stream:
         acc = [{"text": "", "logprobs": []} for _ in choices]

@@ -12,31 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kimik3.tokenizer import ResponseParser, StreamDecoder, Tokenizer
+from kimik3.tokenizer.stops import StopText
 
-__all__ = ["ChatChoice", "ChoiceDelta", "StopText", "TextChoice", "chat_logprob", "legacy_logprobs"]
-
-
-class StopText:
-    """Cuts visible text at the first stop string; holds back a tail that could be the start of one."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.held, self.hit = stops, "", None
-
-    def feed(self, text: str) -> str:
-        if self.hit is not None or not self.stops:
-            return "" if self.hit is not None else text
-        text, self.held = self.held + text, ""
-        found = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
-        if found:
-            cut, self.hit = min(found)
-            return text[:cut]
-        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        self.held = text[len(text) - keep:]
-        return text[:len(text) - keep]
-
-    def flush(self) -> str:
-        held, self.held = self.held, ""
-        return held if self.hit is None else ""
+__all__ = ["ChatChoice", "ChoiceDelta", "TextChoice", "chat_logprob", "legacy_logprobs"]
 
 
 @dataclass
@@ -79,9 +57,8 @@ class _Base:
         return self.finish_reason is not None
 
     def _new(self, seq) -> tuple[list[int], list]:
-        ids = list(seq.token_ids[self.seen:])
-        lps = list(seq.logprobs[self.seen:]) if seq.logprobs is not None else []
-        return ids, lps
+        """A step's new ids and logprobs (the engine's outputs are deltas)."""
+        return list(seq.token_ids), list(seq.logprobs) if seq.logprobs is not None else []
 
 
 class ChatChoice(_Base):

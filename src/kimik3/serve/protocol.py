@@ -124,10 +124,13 @@ def _sampling(body: dict, defaults: dict[str, Any], vocab_size: int) -> Sampling
 
 
 def sampling_kwargs(s: Sampling, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None,
-                    eos_id: int | None = None) -> dict[str, Any]:
-    """Keywords of the engine's SamplingParams (stop strings are the server's: it cuts the visible text)."""
+                    eos_id: int | None = None, engine_stops: bool = False) -> dict[str, Any]:
+    """Keywords of the engine's SamplingParams. Stop strings go to the engine where they match its raw text
+    (`engine_stops`: /v1/completions, so the request ends at the very token); chat matches them over the
+    parsed content in the server, which then ends the request (`Engine.stop`)."""
     return {**s.kwargs, "max_new_tokens": max_tokens, "n": s.n, "logprobs": logprobs,
-            "prompt_logprobs": prompt_logprobs, "stop_token_ids": () if eos_id is None else (eos_id,)}
+            "prompt_logprobs": prompt_logprobs, "stop_token_ids": () if eos_id is None else (eos_id,),
+            "stop": tuple(s.stop) if engine_stops else ()}
 
 
 @dataclass

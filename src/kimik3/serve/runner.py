@@ -77,6 +77,10 @@ class EngineRunner:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
 
+    def stop(self, request_id: str, stop_reason: str | None = None) -> None:
+        """End a request normally (the front end matched its stop string): `Engine.stop`."""
+        self._inbox.put(("stop", request_id, stop_reason))
+
     def call(self, fn: Callable[[Any], Any]) -> Future:
         """Run `fn(engine)` in the engine thread between two steps (reset_prefix_cache, ...)."""
         fut: Future = Future()
@@ -132,6 +136,9 @@ class EngineRunner:
             if item in self._sinks:
                 self.engine.abort(item)
                 self._done(item)
+        elif kind == "stop":
+            if item in self._sinks:  # its final output comes from the next step, as any finished request's
+                self.engine.stop(item, extra)
         elif kind == "call":
             try:
                 extra.set_result(item(self.engine))
