@@ -28,7 +28,7 @@ from kimik3.distributed.tensor_parallel import (
     tensor_block,
 )
 from kimik3.model import K3ForCausalLM
-from kimik3.model.cache import KDAState
+from kimik3.model.state import KDAView
 from tests.helpers import CONFIGS, free_port, randomize, rel_err, spying_safe_open
 
 
@@ -133,21 +133,23 @@ def test_rank_shards_sum_to_the_full_layers_and_caches_concatenate(world):
     B, T, S = 2, 11, 16
     x = torch.randn(B, T, full.config.hidden_size)
     full_cache, caches = full.new_cache(B, S), [m.new_cache(B, S) for m in ranks]
-    step = full_cache.advance(T)
+    step, _ = full_cache.step([T] * B)  # every rank's step is the same: slots and blocks do not depend on heads
     for c in caches:
-        c.advance(T)
+        c.step([T] * B)
+    x = x.reshape(1, B * T, -1)  # a step packs its sequences in one row
     for i, layer in enumerate(full.model.layers):
-        want = layer.self_attn(x, None, full_cache.layers[i], step)
-        got = sum(m.model.layers[i].self_attn(x, None, c.layers[i], step) for m, c in zip(ranks, caches))
+        want = layer.self_attn(x, None, full_cache.pool.layers[i], step)
+        got = sum(m.model.layers[i].self_attn(x, None, c.pool.layers[i], step) for m, c in zip(ranks, caches))
         assert rel_err(got, want) < 1e-5, i
-        if isinstance(full_cache.layers[i], KDAState):
-            parts = [c.layers[i] for c in caches]
-            assert parts[0].recurrent.shape == (B, H // world, 22, 22)
-            assert rel_err(torch.cat([p.recurrent for p in parts], 1), full_cache.layers[i].recurrent) < 1e-5
-            assert rel_err(torch.cat([p.conv_k for p in parts], -1), full_cache.layers[i].conv_k) < 1e-6
+        if isinstance(full_cache.pool.layers[i], KDAView):
+            parts = [c.pool.layers[i] for c in caches]
+            whole = full_cache.pool.layers[i]
+            assert parts[0].recurrent[:B].shape == (B, H // world, 22, 22)
+            assert rel_err(torch.cat([p.recurrent[:B] for p in parts], 1), whole.recurrent[:B]) < 1e-5
+            assert rel_err(torch.cat([p.conv_k[:B] for p in parts], -1), whole.conv_k[:B]) < 1e-6
         else:
             for c in caches:
-                assert torch.equal(c.layers[i].latent, full_cache.layers[i].latent)
+                assert torch.equal(c.pool.layers[i].latent, full_cache.pool.layers[i].latent)
     # the dense MLP (layer 0) and a shared expert (layer 1): partial sums of the unsharded module's output
     mlps = [lambda m: m.model.layers[0].mlp, lambda m: m.model.layers[1].block_sparse_moe.shared_experts]
     for mlp in mlps:
@@ -172,9 +174,9 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         with torch.no_grad():
             full = model(ids)
         padded, mask, cont, _ = _ragged(V, pad)
-        kda = next(layer for layer in model.new_cache(3, 4).layers if isinstance(layer, KDAState))
+        kda = next(layer for layer in model.new_cache(3, 4).pool.layers if isinstance(layer, KDAView))
         torch.save({"full": full, "cached": _cached_run(model, padded, mask, cont),
-                    "kda_state": tuple(kda.recurrent.shape), "conv": tuple(kda.conv_q.shape)},
+                    "kda_state": tuple(kda.recurrent[:3].shape), "conv": tuple(kda.conv_q[:3].shape)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.barrier()

@@ -22,7 +22,7 @@ from kimik3.atlas.catalog import Component, leaf_of
 from kimik3.checkpoint.keys import checkpoint_prefix
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
-from kimik3.model.cache import HybridCache, KDAState
+from kimik3.model.cache import state_bytes
 from kimik3.model.moe import Experts, MXFP4Experts, Router
 from kimik3.model.vision import encode_images
 
@@ -198,16 +198,5 @@ def check_flops(cfg: K3Config, comps: list[Component], tokens: int = 12) -> list
 
 def cache_bytes(cfg: K3Config, dtype: torch.dtype) -> dict[str, int]:
     """Per sequence: KDA recurrent state and conv tails (all KDA layers); per token: MLA latent rows (all MLA
-    layers). Read from a one-token HybridCache built on the meta device (the engine's own allocation)."""
-    cache = HybridCache(cfg.text, 1, 1, dtype, "meta")
-    out = {"kda_state_per_sequence": 0, "kda_conv_per_sequence": 0, "mla_latent_per_token": 0,
-           "kda_layers": 0, "mla_layers": 0}
-    for layer in cache.layers:
-        if isinstance(layer, KDAState):
-            out["kda_state_per_sequence"] += layer.recurrent.nbytes
-            out["kda_conv_per_sequence"] += sum(t.nbytes for t in (layer.conv_q, layer.conv_k, layer.conv_v))
-            out["kda_layers"] += 1
-        else:
-            out["mla_latent_per_token"] += layer.latent.nbytes
-            out["mla_layers"] += 1
-    return out
+    layers). From the layers' declared state, as the engine allocates it."""
+    return state_bytes(cfg.text, dtype)

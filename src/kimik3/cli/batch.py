@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from kimik3.cli.engine_args import add_engine_args, engine_config
+
 ALIASES = ("max_tokens", "max_completion_tokens")  # OpenAI's names for max_new_tokens
 
 
@@ -29,8 +31,7 @@ def add_args(parser, source_group) -> None:
                               help="batch mode: one request per line (see kimik3.cli.batch), through the engine")
     parser.add_argument("--output", metavar="FILE.jsonl",
                         help="batch mode: where the results go (one per line; - for standard output)")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="batch mode: sequences running at once")
-    parser.add_argument("--max-batched-tokens", type=int, default=1024, help="batch mode: tokens per engine step")
+    add_engine_args(parser)
 
 
 def read_requests(path: Path, base) -> list[tuple[str, dict, object, int]]:
@@ -118,15 +119,17 @@ def run(args) -> int:
 
     if not args.output:
         raise ValueError("--input needs --output FILE.jsonl")
+    config = engine_config(args)
     base = sampling_params(args)
     requests = read_requests(Path(args.input), base)
     model, tok, _ = load_model_and_tokenizer(args, vision=False)
     ends = end_ids(model, tok)
     prompts = [encode_line(tok, obj, model.config.text.vocab_size, f"--input {args.input} line {no}")
                for _, obj, _, no in requests]
-    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                    max_model_len=context_window(args, model), eos_token_ids=ends, tokenizer=tok,
-                    model_id=str(model_path(args)))
+    config = engine_config(args, model.config.text.max_position_embeddings)
+    if config.max_model_len is None:  # --max-context, else the model's positions
+        config = dataclasses.replace(config, max_model_len=context_window(args, model))
+    engine = Engine(model, config, eos_token_ids=ends, tokenizer=tok, model_id=str(model_path(args)))
     bar = _bar(len(prompts))
     try:
         outs = engine.generate(prompts, [p for _, _, p, _ in requests], progress=bar.update)
@@ -149,11 +152,8 @@ def run(args) -> int:
 def result(rid: str, out, tok) -> dict:
     choices = []
     for c in out.outputs:
-        ids = c.token_ids[:-1] if c.finish_reason == "stop" and isinstance(c.stop_reason, int) else c.token_ids
-        text = tok.decode(ids)
-        if isinstance(c.stop_reason, str):
-            text = text[: text.find(c.stop_reason)] if c.stop_reason in text else text
-        choice = {"index": c.index, "text": text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+        # the engine's visible text: stop strings cut, a stop id's marker never shown
+        choice = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
         if c.logprobs is not None:
             choice["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in c.logprobs]
         choices.append(choice)

@@ -9,6 +9,8 @@ import os
 import sys
 import threading
 
+from kimik3.cli.engine_args import add_engine_args, engine_config
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming, metrics)")
@@ -18,11 +20,10 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
                    help="compute dtype (default: float32 on the CPU, the checkpoint's on CUDA)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one engine step at most")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most per sequence")
-    p.add_argument("--prefix-cache-bytes", type=int, default=None, help="byte budget of the prefix cache")
-    p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: 1 for models under 100M parameters, else torch's; OMP_NUM_THREADS "
+                        "counts as asked)")
+    add_engine_args(p)
     p.add_argument("--max-pending", type=int, default=1024,
                    help="admitted requests (running + waiting) at most; more get 503")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
@@ -40,26 +41,41 @@ def _generation_defaults(path) -> dict:
     return {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
 
 
-def build_engine(args, path):
+def check_args(args, path):
+    """Every flag checked before anything starts (the engine's against the checkpoint's config): the config."""
+    from kimik3.config import K3Config
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    if args.max_pending < 1:
+        raise ValueError(f"--max-pending must be at least 1, got {args.max_pending}")
+    positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
+    return engine_config(args, positions, warmup=True)
+
+
+def build_engine(args, path, config=None):
     """(engine, tokenizer, model vocabulary width) for `args` (bench/bench_serve.py builds through the same
-    flags)."""
+    flags). The engine warms up (compiles, captures its graphs) before it is returned, unless --no-warmup."""
     import torch
 
     import kimik3
     from kimik3.cli.common import end_ids
     from kimik3.inference.engine import Engine
+    from kimik3.inference.threads import pick_cpu_threads
     from kimik3.model.moe import relayout_experts
     from kimik3.tokenizer import Tokenizer
 
+    config = config or check_args(args, path)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else None)
     tokenizer = Tokenizer.from_file(path)
     model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True).eval()
+    pick_cpu_threads(model, device, args.threads)
     relayout_experts(model)  # Humming's kernels where KIMIK3_MOE_BACKEND (auto) picks them: one copy, inference only
-    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=args.max_model_len, prefix_cache_bytes=args.prefix_cache_bytes,
-                    enable_prefix_cache=not args.no_prefix_cache, eos_token_ids=end_ids(model, tokenizer),
-                    model_id=str(path), tokenizer=tokenizer)
+    log = logging.getLogger("kimik3.serve")
+    if config.warmup:
+        log.info("warming up: every prefill shape up to %d tokens and the decode graphs", config.max_num_batched_tokens)
+    engine = Engine(model, config, eos_token_ids=end_ids(model, tokenizer), model_id=str(path), tokenizer=tokenizer)
     return engine, tokenizer, model.config.text.vocab_size
 
 
@@ -90,6 +106,7 @@ def run(args) -> int:
     from kimik3.ops.moe import backend_choice
 
     path = model_path(args)
+    config = check_args(args, path)
     _check_address(args.host, args.port)
     backend_choice()  # a misspelt KIMIK3_MOE_BACKEND fails before the (long) load, not in its thread
     # our own loggers at the asked level; torch's and other libraries' stay at warnings
@@ -102,7 +119,7 @@ def run(args) -> int:
 
     def load() -> None:  # /health answers 503 while this runs
         try:
-            engine, tokenizer, vocab_size = build_engine(args, path)
+            engine, tokenizer, vocab_size = build_engine(args, path, config)
             server.attach(engine, tokenizer, vocab_size=vocab_size)
             logging.getLogger("kimik3.serve").info("serving %s as %r on http://%s:%d", path,
                                                    server.config.model_name, args.host, args.port)

@@ -35,7 +35,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import MethodType
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,6 @@ from torch import Tensor, nn
 from kimik3.checkpoint.loader import load_sharded
 from kimik3.config import TextConfig
 from kimik3.distributed.env import group_rank
-from kimik3.model.cache import HybridCache
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.mla import MultiHeadLatentAttention
 from kimik3.model.mlp import MLP
@@ -190,7 +188,8 @@ def shard_for_rank(model: nn.Module, rank: int, world_size: int,
         reduce: called in place on the [..., D] output of every row-parallel linear (o_proj, down_proj) to
             sum it over the ranks; None leaves the partial sums (tests, shape planning).
 
-    After it, `model.new_cache(batch, max_length)` allocates this rank's cache (H/W heads per KDA layer).
+    After it, the rebuilt attention modules declare this rank's state (H/W heads per KDA layer), so
+    `model.new_cache` and the engine allocate it.
     """
     lm = _causal_lm(model)
     if hasattr(lm, "tensor_parallel"):
@@ -207,9 +206,6 @@ def shard_for_rank(model: nn.Module, rank: int, world_size: int,
     if reduce is not None:
         _sum_row_parallel_outputs(lm, reduce)
     lm.tensor_parallel = TensorParallel(rank, world_size, cfg)
-    # shadows the class method on this instance, so every caller (generate, the wrapper's new_cache) gets the
-    # per-rank cache without knowing about tensor parallelism
-    lm.new_cache = MethodType(_new_cache, lm)
     return model
 
 
@@ -218,11 +214,6 @@ def _sum_row_parallel_outputs(lm: K3ForCausalLM, reduce: Callable[[Tensor], obje
         mlp = layer.ffn.shared_experts if isinstance(layer.ffn, LatentMoE) else layer.mlp
         for linear in (layer.self_attn.o_proj, mlp.down_proj):
             linear.register_forward_hook(_sum_hook(reduce))
-
-
-def _new_cache(lm: K3ForCausalLM, batch_size: int, max_length: int) -> HybridCache:
-    w = lm.lm_head.weight
-    return HybridCache(lm.tensor_parallel.config, batch_size, max_length, w.dtype, w.device)
 
 
 def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:

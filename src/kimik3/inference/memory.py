@@ -8,7 +8,7 @@ import torch
 
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
-from kimik3.model.cache import HybridCache
+from kimik3.model.cache import state_bytes
 from kimik3.model.moe import pack_experts
 
 
@@ -41,6 +41,7 @@ def memory_report(cfg: K3Config, context: int, batch: int, dtype: torch.dtype | 
         model = K3ForConditionalGeneration(cfg, dtype)
         if cfg.storage.experts == "mxfp4":
             pack_experts(model)
-        one = HybridCache(cfg.text, 1, 1, model.language_model.lm_head.weight.dtype, "meta").nbytes()
+        one = state_bytes(cfg.text, model.language_model.lm_head.weight.dtype)
     weights = sum(t.nbytes for t in model.state_dict().values())
-    return MemoryReport(weights, one["kda_state"] + one["kda_conv"], one["mla_latent"], batch, context)
+    return MemoryReport(weights, one["kda_state_per_sequence"] + one["kda_conv_per_sequence"],
+                        one["mla_latent_per_token"], batch, context)

@@ -8,10 +8,10 @@ row's own generator, with no host synchronisation.
 
 Batch independence, precisely: given the same logits, a seeded row draws the same tokens whatever else shares
 its batch (exact, any dtype: its generator and filters are its own). The logits themselves depend on the batch
-at rounding level (the batch shape changes GEMM blocking), and a rounding difference can flip an MoE routing choice. In fp32 on the CPU a row's logits stay within
-a few 1e-6 (relative) of its solo run and seeded samples agree in practice (tested); in bf16 they do not: a
-seeded row can part from its solo run within a few tokens (the demo model, four seeded prompts of 2-45 tokens,
-48 new tokens each: two rows parted, at tokens 3 and 14). Run a request alone, or in fp32, to reproduce it.
+at rounding level (the batch shape changes GEMM blocking), and a rounding difference can flip an MoE routing
+choice. In fp32 on the CPU a row's logits stay within a few 1e-6 (relative) of its solo run and seeded samples
+agree in practice (tested); in bf16 they do not: a seeded row can part from its solo run within a few tokens.
+Run a request alone, or in fp32, to reproduce it.
 """
 
 from __future__ import annotations

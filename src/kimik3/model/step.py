@@ -65,8 +65,8 @@ def decode_step(slots: Tensor, cached: Tensor, tables: Tensor, *, block_size: in
     pos = cached
     write = tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
     cu = torch.arange(N + 1, device=device)
-    return Step(decode_only=True, cu_seqlens=cu, slots=slots, block_size=block_size, write_index=write, short_rows=None, short_cu=cu,
-                short_lens=cached + 1, short_tables=tables, short_max_len=max_len)
+    return Step(decode_only=True, cu_seqlens=cu, slots=slots, block_size=block_size, write_index=write,
+                short_rows=None, short_cu=cu, short_lens=cached + 1, short_tables=tables, short_max_len=max_len)
 
 
 def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: list[list[int]], block_size: int,
