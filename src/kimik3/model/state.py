@@ -100,7 +100,9 @@ class StatePool:
         i_k = i_m = 0
         for s in specs:
             if isinstance(s, KDAStateSpec):
-                self.layers.append(KDAView(self.recurrent[i_k], *self.conv[i_k].unbind(0)))
+                # indexed one by one: unbind's views (one op's several outputs) refuse in-place writes under autograd
+                conv = self.conv[i_k]
+                self.layers.append(KDAView(self.recurrent[i_k], conv[0], conv[1], conv[2]))
                 i_k += 1
             else:
                 self.layers.append(MLAView(self.latent[i_m]))

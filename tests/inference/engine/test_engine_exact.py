@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kimik3.inference import generate
@@ -108,15 +109,15 @@ def test_demo_model_greedy_equals_generate():
 
 
 def test_static_decode_steps_equal_generate(model):
-    """The CUDA-graph step's form, run eagerly: padded to a bucket on the scratch slot and block, keys over the
-    whole block table. Mixed with chunked prefills and admissions it still gives generate()'s tokens."""
+    """The CUDA-graph step's form, run eagerly: padded to a bucket on the scratch slot and block, keys over a span
+    bucket of the block table. Mixed with chunked prefills and admissions it still gives generate()'s tokens."""
     from kimik3.inference.engine.runner import _DecodeGraph
 
     V = model.config.vocab_size
     prompts = random_prompts(V, (3, 40, 70, 17, 130), generator_seed=6)
     params = [greedy(n, logprobs=0) for n in (12, 3, 9, 5, 10)]  # finishing apart: buckets pad
-    engine = make_engine(model, max_num_seqs=5)
-    engine.runner.graphs = {n: _DecodeGraph(engine.runner, n, None) for n in (1, 2, 4, 5)}
+    engine = make_engine(model, max_num_seqs=5, use_cuda_graphs=True)
+    assert engine.runner.sizes == [1, 2, 4, 5]
     used = []
     real = _DecodeGraph.__call__
     _DecodeGraph.__call__ = lambda self, chunks: (used.append((self.rows, len(chunks))), real(self, chunks))[1]
@@ -138,11 +139,9 @@ def test_engine_with_decode_graphs_is_freed_without_the_cycle_collector(model):
     import gc
     import weakref
 
-    from kimik3.inference.engine.runner import _DecodeGraph
-
-    engine = make_engine(model, max_num_seqs=2)
-    engine.runner.graphs = {n: _DecodeGraph(engine.runner, n, None) for n in (1, 2)}
+    engine = make_engine(model, max_num_seqs=2, use_cuda_graphs=True)
     engine.generate([[5, 6, 7]], greedy(2))
+    assert engine.runner.graphs
     gc.collect()
     alive, cache = weakref.ref(engine), weakref.ref(engine.runner.pool)
     gc.disable()
@@ -151,3 +150,33 @@ def test_engine_with_decode_graphs_is_freed_without_the_cycle_collector(model):
         assert alive() is None and cache() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_steps_work_does_not_depend_on_max_model_len(model, graphs):
+    """The same requests with max_model_len 300 and K3's 1,048,576: every step attends over the same key span
+    and block-table width (the latent attention's inputs), and gives the same tokens."""
+    import kimik3.model.mla as mla_mod
+
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (20, 70, 150), generator_seed=9)
+    seen = {}
+    real = mla_mod.paged_latent_attention
+
+    def spy(q, latent, *a, **kw):
+        seen[key].append((kw["max_seq_len"], tuple(kw["block_tables_NM"].shape)))
+        return real(q, latent, *a, **kw)
+
+    mla_mod.paged_latent_attention = spy
+    try:
+        outs = {}
+        for key in (300, 1 << 20):
+            seen[key] = []
+            engine = make_engine(model, max_num_seqs=3, max_model_len=key, num_blocks=64, use_cuda_graphs=graphs)
+            outs[key] = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy(8))]
+    finally:
+        mla_mod.paged_latent_attention = real
+    assert seen[300] == seen[1 << 20] and len(seen[300]) > 8
+    # keys attended: the cached ones (eager), or their span bucket of 16 blocks of 16 (a graph's static form)
+    assert max(span for span, _ in seen[300]) <= (16 * 16 if graphs else 150 + 8)
+    assert outs[300] == outs[1 << 20] == reference_tokens(model, prompts, greedy(8))

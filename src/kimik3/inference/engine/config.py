@@ -25,7 +25,8 @@ class EngineConfig:
             free memory, and at least one sequence's worth).
         snapshot_interval: grid positions (multiples of 64) that get a prefix snapshot besides each prompt's
             last grid point and each finished request's end.
-        use_cuda_graphs: replay captured decode-only steps (None: on CUDA in bf16/fp16).
+        use_cuda_graphs: replay captured decode-only steps (None: on CUDA in bf16/fp16). On the CPU, True runs
+            the graphs' static steps (bucket padding, span buckets) eagerly: what the tests check their form on.
         warmup: run every step shape the engine will meet (prefill chunks, each graph) once at start, so
             the first requests meet no kernel compile or autotuning.
         poison: fill freed slots, freed blocks and evicted snapshots with NaN (tests: a stale read fails).

@@ -1,7 +1,10 @@
 """The forward of one engine step: pack the scheduled chunks in one row, build the `Step`, run the model, return
 the logits of the rows that sample and the KDA states the step exported. Decode-only steps replay a CUDA graph
-captured per batch bucket: static shapes, padding rows on the pool's scratch slot and block, and block tables
-read from a persistent device table indexed by slot (updated by the blocks each step adds, never rebuilt).
+captured per (batch bucket, span bucket): static shapes, padding rows on the pool's scratch slot and block, and
+block tables read from a persistent device table indexed by slot (updated by the blocks each step adds, never
+rebuilt). The span bucket is the power of two of blocks that covers the step's longest sequence, so a step
+attends over at most twice the cached keys whatever `max_model_len` is; a bucket's graph is captured the first
+time a step needs it.
 
 Legend: N sequences in the step, T packed tokens, M logit rows, MB blocks per table, S slots, V vocabulary.
 """
@@ -18,6 +21,7 @@ from kimik3.model.state import StatePool
 from kimik3.model.step import build_step, decode_step
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_SPAN_BLOCKS = 16  # the smallest key span a graph is captured for (1,024 tokens in blocks of 64)
 
 
 class BlockTable:
@@ -53,12 +57,27 @@ class ModelRunner:
         self.model, self.pool, self.max_blocks = model, pool, max_blocks
         self.device = next(model.parameters()).device
         self.table = BlockTable(pool, max_blocks)
-        self.graphs: dict[int, _DecodeGraph] = {}
-        if use_cuda_graphs:
-            sizes = [n for n in GRAPH_BUCKETS if n < max_num_seqs] + [max_num_seqs]
-            handle = torch.cuda.graph_pool_handle()  # one memory pool for all: the largest is captured first
-            for n in sorted(sizes, reverse=True):
-                self.graphs[n] = _DecodeGraph(self, n, handle)
+        self.sizes = sorted({n for n in GRAPH_BUCKETS if n < max_num_seqs} | {max_num_seqs})
+        self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        # on CUDA one memory pool for all the graphs; on the CPU the same static steps run eagerly (their form)
+        self.static = use_cuda_graphs
+        self.handle = torch.cuda.graph_pool_handle() if use_cuda_graphs and self.device.type == "cuda" else None
+        if self.handle is not None:
+            for n in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
+                self.graph(n, self.span_bucket(1))
+
+    def span_bucket(self, blocks: int) -> int:
+        """Blocks of key span a graph attends over for a longest sequence of `blocks` blocks."""
+        span = MIN_SPAN_BLOCKS
+        while span < blocks:
+            span *= 2
+        return min(span, self.max_blocks)
+
+    def graph(self, rows: int, span: int) -> _DecodeGraph:
+        g = self.graphs.get((rows, span))
+        if g is None:
+            g = self.graphs[rows, span] = _DecodeGraph(self, rows, span, self.handle)
+        return g
 
     def run(self, chunks: list[Chunk], logit_rows: list[int], media: list | None = None
             ) -> tuple[Tensor, list | None]:
@@ -67,9 +86,11 @@ class ModelRunner:
         lens = [c.num_tokens for c in chunks]
         exports = [c.exports for c in chunks] if any(c.exports for c in chunks) else None
         images = media is not None and any(m is not None for m in media)
-        if max(lens) == 1 and self.graphs and len(chunks) <= max(self.graphs) and exports is None and not images:
+        if max(lens) == 1 and self.static and len(chunks) <= self.sizes[-1] and exports is None and not images:
             self.table.sync(chunks)
-            logits = self.graphs[next(b for b in sorted(self.graphs) if b >= len(chunks))](chunks)
+            rows = next(b for b in self.sizes if b >= len(chunks))
+            span = self.span_bucket(max(len(c.seq.blocks) for c in chunks))
+            logits = self.graph(rows, span)(chunks)
             return take_rows(logits, logit_rows), None
         ids = torch.tensor([t for c in chunks for t in c.seq.tokens[c.seq.num_computed:
                                                                      c.seq.num_computed + c.num_tokens]])
@@ -110,15 +131,16 @@ class ModelRunner:
 
 
 class _DecodeGraph:
-    """One captured decode step for `rows` sequences (real ones first, then padding on the scratch rows).
+    """One captured decode step for `rows` sequences (real ones first, then padding on the scratch rows) whose
+    keys span `span` blocks at most.
 
     With `handle=None` nothing is captured and each call runs the same static step eagerly (the CPU tests check
     the padding this way)."""
 
-    def __init__(self, runner: ModelRunner, rows: int, handle):
+    def __init__(self, runner: ModelRunner, rows: int, span: int, handle):
         # a proxy, not a reference: the runner owns its graphs, and a cycle would keep the captured graphs' memory
         # pool (and the state pool) alive after `del engine` until the cycle collector happens to run
-        self.runner, self.rows = weakref.proxy(runner), rows
+        self.runner, self.rows, self.span = weakref.proxy(runner), rows, span
         # the inputs are views of one buffer, refilled by one host-to-device copy per step
         self.inputs = torch.zeros(3 * rows, dtype=torch.long, device=runner.device)
         ids, self.slots, self.cached = self.inputs.split([rows, rows, rows])
@@ -139,8 +161,8 @@ class _DecodeGraph:
 
     def _forward(self) -> Tensor:
         r = self.runner
-        step = decode_step(self.slots, self.cached, r.table.table[self.slots], block_size=r.pool.block_size,
-                           max_len=r.max_blocks * r.pool.block_size)
+        step = decode_step(self.slots, self.cached, r.table.table[self.slots, : self.span],
+                           block_size=r.pool.block_size, max_len=self.span * r.pool.block_size)
         return r.model(self.ids, state=r.pool, step=step)[0].float()
 
     def __call__(self, chunks: list[Chunk]) -> Tensor:
