@@ -28,7 +28,17 @@ import time
 
 import torch
 
-from bench.common import DEVICE, ceilings, environment, profile_top, smoke_config, sync, table, write_json
+from bench.common import (
+    DEVICE,
+    ceilings,
+    decoding_engine,
+    environment,
+    profile_top,
+    smoke_config,
+    sync,
+    table,
+    write_json,
+)
 from kimik3.inference import SamplingParams
 from kimik3.inference.engine import Engine, Request
 from kimik3.inference.engine.runner import _DecodeGraph
@@ -77,22 +87,6 @@ def run_static(engine: Engine, reqs, batch: int) -> float:
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     sync()
     return tokens / (time.perf_counter() - t0)
-
-
-def decoding_engine(model, B: int, s: dict, max_model_len: int | None, graphs: bool, spare: int = 0) -> Engine:
-    """An engine whose B sequences of `context` tokens are prefilled and decoding (the MLA pool sized for that
-    context alone, plus `spare` tokens' blocks and a slot for one more sequence when `spare`)."""
-    per_seq = -(-(s["context"] + s["steps"] + 64) // 64)
-    engine = Engine(model, max_num_seqs=B + (spare > 0), max_num_batched_tokens=max(s["budget"], s["context"] + 64),
-                    max_model_len=max_model_len, use_cuda_graphs=graphs, enable_prefix_cache=False,
-                    num_blocks=B * per_seq + -(-spare // 64) + 8)
-    g = torch.Generator().manual_seed(B)
-    for i in range(B):
-        prompt = torch.randint(0, 1000, (s["context"],), generator=g).tolist()
-        engine.add_request(Request(str(i), prompt, greedy(s["steps"] + 8)))
-    while engine.stats["waiting"] or any(q.num_computed < len(q.tokens) - 1 for q in engine.scheduler.running):
-        engine.step()  # prefills
-    return engine
 
 
 def engine_decode_ms(model, B: int, s: dict, graphs: bool, max_model_len: int | None, profile: bool = False

@@ -13,8 +13,9 @@ import torch
 
 from bench.build import dense_bytes, expert_bytes, experts_backend_of, linear_flops, materialize
 from bench.common import DEVICE, ceilings, environment, graphed, median_ms, profile_top, smoke_config, table, write_json
-from kimik3.model.cache import HybridCache
 from kimik3.model.decoder import DecoderLayer
+from kimik3.model.state import StatePool
+from kimik3.model.step import decode_step
 from kimik3.presets import load_config
 
 
@@ -43,15 +44,15 @@ def main(smoke: bool = False, profile: bool = False):
         backend = experts_backend_of(layer)
         blocks = torch.randn(4, 64, 1, D, device=DEVICE, dtype=torch.bfloat16)
         for B in (1, 8, 64):
-            cache = HybridCache(cfg, B, context + 1, torch.bfloat16, DEVICE)
-            for entry in cache.layers:
-                for t in vars(entry).values():
-                    t.normal_()
-            cache.valid[:, :context] = True
-            cache.length = context
-            step = cache.make_step(torch.tensor([context], device=DEVICE), None, span=context + 1)
-            x = torch.randn(B, 1, D, device=DEVICE, dtype=torch.bfloat16)
-            eager = lambda: layer(x, blocks[:, :B], None, cache.layers[idx], step)  # noqa: E731
+            MB = -(-(context + 1) // 64)
+            pool = StatePool([layer.self_attn.state_spec()], B, B * MB, 64, torch.bfloat16, DEVICE)
+            for t in (pool.recurrent, pool.conv, pool.latent):
+                t.normal_()
+            slots = torch.arange(B, device=DEVICE)
+            step = decode_step(slots, torch.full((B,), context, device=DEVICE),
+                               torch.arange(B * MB, device=DEVICE).view(B, MB), block_size=64, max_len=context + 1)
+            x = torch.randn(1, B, D, device=DEVICE, dtype=torch.bfloat16)  # a step packs its rows in one
+            eager = lambda: layer(x, blocks[:, :B].transpose(1, 2), None, pool.layers[0], step)  # noqa: E731
             if profile and B == 1:
                 profile_top(eager, f"{kind} decode B=1, eager", iters=10)
             run = graphed(eager)

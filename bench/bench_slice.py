@@ -13,27 +13,23 @@ import time
 import torch
 
 from bench.build import materialize
-from bench.common import DEVICE, environment, median_ms, smoke_config, sync, table, write_json
-from kimik3.inference.cuda_graph import GraphedDecoder
+from bench.common import DEVICE, decoding_engine, environment, median_ms, smoke_config, sync, table, write_json
 from kimik3.model import K3ForCausalLM
 from kimik3.ops.backend import use_backend
 from kimik3.presets import load_config
 
 
 def decode_tps(model, B: int, steps: int, graph: bool, context: int, backend: str = "auto") -> float:
-    """Decode tokens/s at batch B after a `context`-token prefill (always on the fast ops: the reference's fp32
-    attention scores of a batch-64 prefill alone would not fit beside the weights); the steps on `backend`."""
-    cache = model.new_cache(B, context + steps + 8)
-    model(torch.randint(0, 1000, (B, context), device=DEVICE), cache=cache)
-    tokens = torch.randint(0, 1000, (B,), device=DEVICE)
-    graph = graph and DEVICE.type == "cuda"
+    """Decode tokens/s at batch B after a `context`-token prefill, through the engine (graphed where `graph`),
+    the steps on `backend`."""
+    engine = decoding_engine(model, B, dict(context=context, steps=steps, budget=max(2048, context + 64)), None,
+                             graph and DEVICE.type == "cuda")
     with use_backend(backend):
-        step = GraphedDecoder(model, cache) if graph else (lambda t: model(t[:, None], cache=cache)[:, -1])
-        step(tokens)
+        engine.step()
         sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            tokens = step(tokens).argmax(-1)
+            engine.step()
         sync()
     return B * steps / (time.perf_counter() - t0)
 

@@ -202,3 +202,25 @@ def write_json(name: str, data: dict) -> Path:
     path = out / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, default=str))
     return path
+
+
+def decoding_engine(model, B: int, s: dict, max_model_len: int | None, graphs: bool, spare: int = 0):
+    """An engine whose B sequences of `context` tokens are prefilled and decoding (s: context, steps, budget;
+    the MLA pool sized for that context alone, plus `spare` tokens' blocks and one more slot when `spare`)."""
+    from kimik3.inference import SamplingParams
+    from kimik3.inference.engine import Engine, Request
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+
+    per_seq = -(-(s["context"] + s["steps"] + 64) // 64)
+    engine = Engine(model, max_num_seqs=B + (spare > 0), max_num_batched_tokens=max(s["budget"], s["context"] + 64),
+                    max_model_len=max_model_len, use_cuda_graphs=graphs, enable_prefix_cache=False,
+                    num_blocks=B * per_seq + -(-spare // 64) + 8)
+    g = torch.Generator().manual_seed(B)
+    for i in range(B):
+        prompt = torch.randint(0, 1000, (s["context"],), generator=g).tolist()
+        engine.add_request(Request(str(i), prompt, greedy(s["steps"] + 8)))
+    while engine.stats["waiting"] or any(q.num_computed < len(q.tokens) - 1 for q in engine.scheduler.running):
+        engine.step()  # prefills
+    return engine

@@ -50,7 +50,7 @@ def run_inprocess(engine, prompts: list[list[int]], concurrency: int, max_tokens
         now = time.perf_counter()
         for out in outs:
             rec = live[out.request_id]
-            rec["tokens"] += [now] * len(out.outputs[0].new_token_ids)
+            rec["tokens"] += [now] * len(out.outputs[0].token_ids)
             if out.finished:
                 del live[out.request_id]
                 if todo:

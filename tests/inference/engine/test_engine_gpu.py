@@ -99,7 +99,7 @@ def test_graphed_decode_equals_eager_engine(models):
     ps = prompts((30, 50, 9), seed=3)
     params = SamplingParams(temperature=0, max_new_tokens=12, logprobs=0)
     graphed = engine(gpu, use_cuda_graphs=True)
-    assert sorted(graphed.runner.graphs) == [1, 2, 4, 8]
+    assert graphed.runner.sizes == [1, 2, 4, 8] and sorted(graphed.runner.graphs) == [(n, 16) for n in (1, 2, 4, 8)]
     a = graphed.generate(ps, params)
     b = engine(gpu, use_cuda_graphs=False).generate(ps, params)
     for x, y in zip(a, b):
