@@ -115,9 +115,13 @@ def test_reference_is_expanded_attention():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq_lens,q_lens,bs", CASES)
-def test_kernel_is_reference(fast, seq_lens, q_lens, bs, dtype):
+def test_kernel_is_reference(fast, monkeypatch, seq_lens, q_lens, bs, dtype):
+    """Every buffer the op allocates (stage-1 partials, o_lat) starts NaN: each must be written before it is read."""
     q, pool, w, kw = case(seq_lens, q_lens, bs, dtype, seed=1)
+    empty = torch.empty
+    monkeypatch.setattr(fast.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
     out = fast.paged_latent_attention(q, pool, w, **kw)
+    monkeypatch.undo()
     want = reference.paged_latent_attention(q.float(), pool.float(), w.float(), **kw)
     assert out.dtype == dtype and out.shape == want.shape
     assert rel_err(out.float(), want) < TOL[dtype]
