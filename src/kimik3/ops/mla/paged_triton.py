@@ -148,6 +148,6 @@ def paged_latent_attention(q_THK: Tensor, latent_pool_XC: Tensor, kv_b_weight: T
         SPLITS=splits, INTERPRET=interp, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _combine_kernel[(T, H)](
         o_THSC, lse_THS, o_lat_THC, H, o_THSC.stride(0), o_THSC.stride(1), o_THSC.stride(2), o_lat_THC.stride(1),
-        C=C, BLOCK_C=BLOCK_C, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), INTERPRET=interp,
+        C=C, BLOCK_C=BLOCK_C, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), INTERPRET=interp,
         num_warps=NUM_WARPS)
     return torch.einsum("thc,hvc->thv", o_lat_THC, w_HXC[:, N:])
