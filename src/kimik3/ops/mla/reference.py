@@ -46,35 +46,41 @@ def mla_latent_attention(q: Tensor, latent: Tensor, kv_b_weight: Tensor, *, qk_n
     return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_vb_HVC).to(q.dtype)
 
 
+def query_rows(cu_seqlens_q: Tensor, seq_lens_N: Tensor, T: int) -> tuple[Tensor, Tensor]:
+    """(seq_T, kv_len_T): the sequence of each packed query row and how many keys it sees (its position + 1).
+
+    Row j of sequence n's q_n queries sits at position seq_lens[n] - q_n + j. Device ops only (no host sync), so
+    the fast path shares it inside a CUDA graph."""
+    cu = cu_seqlens_q.to(torch.int64)
+    t_T = torch.arange(T, device=cu.device)
+    seq_T = torch.searchsorted(cu[1:], t_T, right=True)
+    kv_len_T = seq_lens_N.to(torch.int64)[seq_T] - cu[seq_T + 1] + t_T + 1
+    return seq_T, kv_len_T
+
 
 def paged_latent_attention(q_THK: Tensor, latent_pool_XC: Tensor, kv_b_weight: Tensor, *, block_tables_NM: Tensor,
                            cu_seqlens_q: Tensor, seq_lens_N: Tensor, block_size: int, qk_nope_head_dim: int,
-                           scale: float, max_seq_len: int | None = None, attend=None) -> Tensor:
-    """Absorbed latent attention of packed queries over a paged latent cache; see kimik3.ops.mla. The reference
-    gathers each sequence's keys up to the longest length (not the whole block table), pads the queries to
-    [N, Tq] and runs `attend` (default: the reference `mla_latent_attention`) under the causal mask."""
+                           scale: float, max_seq_len: int | None = None) -> Tensor:
+    """Absorbed MLA of packed queries over a paged latent cache; see kimik3.ops.mla.paged_latent_attention.
+
+    Gathers each sequence's rows through its block table over max(seq_lens) positions only (S below), zeroes those
+    past its length (they may hold stale or NaN rows: 0 * NaN would reach the output), then the math of
+    `mla_latent_attention` per query row."""
     T, H, _ = q_THK.shape
-    N = seq_lens_N.shape[0]
-    if N == 0:
-        return q_THK.new_zeros(T, H, kv_b_weight.shape[0] // H - qk_nope_head_dim)
+    N, C, bs = qk_nope_head_dim, kv_b_weight.shape[1], block_size
     S = int(seq_lens_N.max()) if max_seq_len is None else max_seq_len
-    device = q_THK.device
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    tq = T if N == 1 else (1 if T == N else int(q_lens.max()))
-    s = torch.arange(S, device=device)
-    blocks_NS = block_tables_NM.gather(1, (s // block_size).clamp(max=block_tables_NM.shape[1] - 1).expand(N, -1))
-    valid_NS = s[None] < seq_lens_N[:, None]
-    # rows past a sequence's length may be stale or NaN: zeroed, as 0 * NaN in the value product would leak
-    lat_NSX = torch.where(valid_NS[..., None], latent_pool_XC[blocks_NS * block_size + s % block_size], 0)
-    j = torch.arange(tq, device=device)
-    q_valid = j[None] < q_lens[:, None]
-    q_index = torch.where(q_valid, cu_seqlens_q[:-1, None] + j, cu_seqlens_q[:-1, None])
-    qpos_NJ = seq_lens_N[:, None] - q_lens[:, None] + j
-    mask = valid_NS[:, None] & (s[None, None] <= qpos_NJ[..., None])
-    mask = torch.where(q_valid[..., None], mask, s[None, None] == 0)  # padding queries: key 0, finite
-    o_NJHV = (attend or mla_latent_attention)(q_THK[q_index], lat_NSX, kv_b_weight,
-                                              qk_nope_head_dim=qk_nope_head_dim, scale=scale, mask=mask)
-    if tq == 1:
-        return o_NJHV[:, 0]
-    seq = torch.repeat_interleave(torch.arange(N, device=device), q_lens, output_size=T)
-    return o_NJHV.flatten(0, 1)[seq * tq + torch.arange(T, device=device) - cu_seqlens_q[seq]]
+    S = min(S, block_tables_NM.shape[1] * bs)
+    pos_S = torch.arange(S, device=q_THK.device)
+    rows_NS = block_tables_NM.to(torch.int64)[:, pos_S // bs] * bs + pos_S % bs
+    seq_T, kv_len_T = query_rows(cu_seqlens_q.to(q_THK.device), seq_lens_N.to(q_THK.device), T)
+    live_NS = pos_S[None] < seq_lens_N.to(q_THK.device)[:, None]
+    latent_NSX = latent_pool_XC[rows_NS].float().masked_fill(~live_NS[..., None], 0.0)
+    c_NSC, k_r_NSR = latent_NSX.split([C, latent_NSX.shape[-1] - C], dim=-1)
+    w_HXC = kv_b_weight.float().view(H, -1, C)
+    q_lat_THC = torch.einsum("thn,hnc->thc", q_THK[..., :N].float(), w_HXC[:, :N])
+    s_THS = (torch.einsum("thc,tsc->ths", q_lat_THC, c_NSC[seq_T])
+             + torch.einsum("thr,tsr->ths", q_THK[..., N:].float(), k_r_NSR[seq_T])) * scale
+    mask_TS = pos_S[None] < kv_len_T[:, None]
+    p_THS = s_THS.masked_fill(~mask_TS[:, None], float("-inf")).softmax(-1)
+    o_lat_THC = torch.einsum("ths,tsc->thc", p_THS, c_NSC[seq_T])
+    return torch.einsum("thc,hvc->thv", o_lat_THC, w_HXC[:, N:]).to(q_THK.dtype)
