@@ -16,7 +16,7 @@ Rows (issue 26), all in one call:
     PYTHONPATH=src:. python3 bench/bench_engine.py             # device: slice-12, table + $OUT/bench_engine.json
     PYTHONPATH=src:. python3 bench/bench_engine.py --cpu-demo  # the same rows, scaled down, demo model fp32 on CPU
     PYTHONPATH=src:. python3 bench/bench_engine.py --smoke     # CPU check of this script at toy sizes
-    ... --rows prefix,mixed                                     # only some of decode, mixedstep, prefix, mixed
+    ... --rows prefix,mixed      # only some of decode, mixedstep, prefix, mixed (also joined by +)
     ... --profile             # decode and mixedstep rows also: the kernels of one step by category
 """
 
@@ -261,7 +261,8 @@ def mixed_row(model, s, vocab, graphs, results, rows, mode) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    which = tuple(args[args.index("--rows") + 1].split(",")) if "--rows" in args else ("decode", "mixedstep",
+    # rows joined by "," or "+" (bench/device_suite.sh splits its step arguments at commas)
+    which = tuple(args[args.index("--rows") + 1].replace("+", ",").split(",")) if "--rows" in args else ("decode", "mixedstep",
                                                                                         "prefix", "mixed")
     main("smoke" if "--smoke" in args else "cpu-demo" if "--cpu-demo" in args else "device", which,
          "--profile" in args)
