@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizer
 from kimik3.tokenizer import Tokenizer, encode_chat_with_mask
 
 FILE = "tiktoken.model"
+RELEASED_TOKENIZER_CLASS = "TikTokenTokenizer"  # tokenizer_config.json's tokenizer_class in the release
 # what transformers reads to tell trainers the template marks assistant tokens; rendering is kimik3's encoder
 CHAT_TEMPLATE = ("{# Kimi K3 XTML: rendered by kimik3.tokenizer.encode_chat (KimiK3Tokenizer.apply_chat_template), "
                  "not by this template #}{% for message in messages %}{% if message['role'] == 'assistant' %}"
