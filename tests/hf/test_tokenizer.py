@@ -63,6 +63,8 @@ def test_effort_and_batches(hf_tok, demo_tok, effort):
     for row, mask, w in zip(out["input_ids"], out["attention_mask"], want):
         assert row[mask.bool()].tolist() == w
     assert isinstance(out["input_ids"], torch.Tensor)
+    one = hf_tok.apply_chat_template(convs[0], add_generation_prompt=True, thinking_effort=effort, return_tensors="pt")
+    assert one["input_ids"].tolist() == [want[0]]  # one conversation as tensors: a batch of one
 
 
 def test_unknown_chat_argument_is_named(hf_tok):

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 import kimik3
 from kimik3.checkpoint.folder import GENERATION_CONFIG, LOADED_FROM
@@ -63,7 +63,9 @@ def _dtype(dtype) -> torch.dtype | None:
 
 class KimiK3PreTrainedModel(PreTrainedModel):
     config_class = KimiK3Config
-    base_model_prefix = ""
+    # transformers' `base_model` (the decoder without its LM head) is the `backbone` view below; it holds no
+    # parameters, so every name stays the released one
+    base_model_prefix = "backbone"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderLayer"]
@@ -145,6 +147,12 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         return k3
 
     @property
+    def backbone(self) -> _Backbone:
+        """The decoder without the LM head: (input_ids, ...) -> BaseModelOutputWithPast(last_hidden_state [B, T, D]).
+        Trainers that apply the LM head themselves (TRL's fused cross entropy) call it as `model.base_model`."""
+        return _Backbone(self)
+
+    @property
     def has_vision(self) -> bool:
         return hasattr(self, "vision_tower")
 
@@ -177,10 +185,23 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
             pixel_values, grid_thws: images spliced into the media pads (kimik3.vision.process_images).
             logits_to_keep: > 0 projects only the last that many positions.
         """
+        h_BTD = self.hidden_states(input_ids, attention_mask, cache, inputs_embeds, pixel_values, grid_thws)
+        # the LM head as K3ForCausalLM.forward applies it (the same op on the same rows: the same bits)
+        logits = self.language_model.lm_head(h_BTD if not logits_to_keep else h_BTD[:, -logits_to_keep:])
+        loss = None
+        if labels is not None:
+            loss_kw = {k: kwargs[k] for k in ("num_items_in_batch", "shift_labels", "ignore_index") if k in kwargs}
+            loss = self.loss_function(logits, labels, vocab_size=logits.shape[-1], **loss_kw)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    def hidden_states(self, input_ids: Tensor | None, attention_mask: Tensor | None = None,
+                      cache: KimiK3Cache | None = None, inputs_embeds: Tensor | None = None,
+                      pixel_values: Tensor | None = None, grid_thws: Tensor | None = None) -> Tensor:
+        """The final hidden state [B, T, D] (after the output norm) of the new tokens; arguments as `forward`."""
         if input_ids is None:
             raise ValueError("input_ids is required (inputs_embeds alone is not supported: pass the ids; images "
                              "go in through pixel_values)")
-        if inputs_embeds is not None and pixel_values is None:
+        if inputs_embeds is not None:
             raise ValueError("inputs_embeds is not supported; pass input_ids (and pixel_values for images)")
         B, T = input_ids.shape
         new_mask = attention_mask[:, -T:].bool() if attention_mask is not None else None
@@ -193,15 +214,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
             new_mask = None
         embeds = (K3ForConditionalGeneration.embed(self, input_ids, pixel_values, grid_thws)
                   if pixel_values is not None else None)
-        logits_at = None
-        if logits_to_keep:
-            logits_at = torch.arange(T - logits_to_keep, T, device=input_ids.device)
-        logits = self.language_model(input_ids, cache=state, attention_mask=new_mask, inputs_embeds=embeds,
-                                     logits_at=logits_at)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, vocab_size=logits.shape[-1], **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return self.language_model.model(input_ids, cache=state, attention_mask=new_mask, inputs_embeds=embeds)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                                       max_cache_length: int) -> None:
@@ -229,6 +242,21 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     @property
     def is_gradient_checkpointing(self) -> bool:
         return self._checkpoint_fn is not None
+
+
+class _Backbone:
+    """`model.backbone`: the decoder of a KimiK3ForConditionalGeneration, called as transformers calls a base
+    model. A view (no parameters of its own), made on each access."""
+
+    def __init__(self, owner: KimiK3ForConditionalGeneration):
+        self.owner = owner
+
+    def __call__(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                 cache: KimiK3Cache | None = None, pixel_values: Tensor | None = None,
+                 grid_thws: Tensor | None = None, **kwargs) -> BaseModelOutputWithPast:
+        h = self.owner.hidden_states(input_ids, attention_mask, cache, kwargs.get("inputs_embeds"), pixel_values,
+                                     grid_thws)
+        return BaseModelOutputWithPast(last_hidden_state=h, cache=cache)
 
 
 def _right_padded(mask_BT: Tensor) -> bool:

@@ -136,6 +136,8 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
                              f"(the encoder takes {', '.join(_CHAT_KEYS)})")
         batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
         convs = conversation if batched else [conversation]
+        if tokenize and return_tensors is not None:
+            batched = True  # tensors always have a batch axis: one conversation gives [1, T]
         chat = {"tools": tools, "add_generation_prompt": add_generation_prompt, **kwargs}
         convs = [[dict(m) for m in c] for c in convs]  # datasets hand rows as Mapping-like objects
         if not tokenize:
@@ -147,7 +149,8 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
         ids = [e[0] for e in encoded]
         if not return_dict:
             out = ids if batched else ids[0]
-            return self.pad({"input_ids": out}, return_tensors=return_tensors)["input_ids"] if return_tensors else out
+            return self.pad({"input_ids": out}, padding=padding or bool(return_tensors), max_length=max_length,
+                            return_tensors=return_tensors)["input_ids"] if return_tensors else out
         data = {"input_ids": ids}
         if return_assistant_tokens_mask:
             data["assistant_masks"] = [[int(m) for m in e[1]] for e in encoded]
