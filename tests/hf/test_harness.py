@@ -6,6 +6,7 @@ loglikelihood, and greedy generate_until.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -37,8 +38,14 @@ def _offline_datasets(tmp_path_factory):
     os.environ.update(old_env)
 
 
+@functools.lru_cache(maxsize=1)
+def _manager() -> TaskManager:
+    # only the local tasks: indexing lm-eval's thousands of built-in task files takes ~30 s per manager
+    return TaskManager(include_path=str(TASKS), include_defaults=False)
+
+
 def _instances(name: str) -> list:
-    task = TaskManager(include_path=str(TASKS)).load([name])["tasks"][name]
+    task = _manager().load([name])["tasks"][name]
     task.build_all_requests(rank=0, world_size=1)
     return task.instances
 
@@ -116,8 +123,12 @@ def test_equals_lm_evals_hf_backend(lm, hf_model, hf_tok):
         assert _close(a, b), (a, b)
 
 
-def test_kimik3_eval_prints_the_table(capsys, tmp_path):
+def test_kimik3_eval_prints_the_table(capsys, tmp_path, monkeypatch):
+    import lm_eval.tasks
+
     from kimik3.cli import main
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(TaskManager, include_defaults=False))
 
     out = tmp_path / "results.json"
     code = main(["eval", "--tasks", "k3_mc,k3_ppl", "--include-path", str(TASKS), "--batch-size", "4",
