@@ -1,8 +1,9 @@
 # The README's two commands: `make demo` (set up, run the main job) and `make test` (set up, run the tests).
 # The CPU machines here carry a local torch 2.13.0 CPU wheel; installing it first keeps pip from ever
 # resolving `torch>=2.11` to a multi-GB CUDA build. Override TORCH on other machines. `make demo` installs only
-# the package (torch and five small libraries); `make test` adds the test extras and Triton, which needs no GPU:
-# the fused kernels' tests run under its CPU interpreter (they skip where it cannot be installed).
+# the package (torch and five small libraries); `make test` adds the test extras (dev: serve, and hf + eval so the
+# transformers / PEFT / lm-eval tests run) and Triton, which needs no GPU: the fused kernels' tests run under its
+# CPU interpreter (they skip where it cannot be installed).
 PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0

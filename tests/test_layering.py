@@ -4,6 +4,7 @@ Inside the package the rooms form a fan, not a chain:
 
     config <- ops <- model <- {checkpoint, inference, atlas} <- distributed <- train <- cli
     tokenizer and vision (preprocessing) sit beside ops; serve sits on inference + tokenizer
+    hf (transformers classes, lm-eval model) sits on model, checkpoint, tokenizer and inference; only cli imports it
 
 Outside it: nothing imports `tests/` but `tests/`; nothing in `src/` imports `bench/` or `tools/`; `bench/` and
 `tools/` never import `tests/`.
@@ -30,9 +31,12 @@ ALLOWED = {
     "serve": {"config", "ops", "model", "checkpoint", "inference", "tokenizer", "presets", "vision"},
     "distributed": {"config", "ops", "model", "checkpoint"},
     "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets"},
+    "hf": {"config", "ops", "model", "checkpoint", "tokenizer", "inference", "presets"},
 }
 TOP_LEVEL = ("cli", "__init__", "__main__")  # the faces: may import anything in the package
 FORBIDDEN_EXTERNAL = {"model": {"triton", "torch.distributed"}, "config": {"torch"}}
+# the hf and eval extras' libraries: only kimik3.hf (and the cli, lazily) may import them; the core never does
+HF_LIBRARIES = ("transformers", "peft", "lm_eval", "trl")
 
 
 def _module_name(path: Path) -> list[str]:
@@ -82,6 +86,8 @@ def test_import_direction_inside_the_package():
             if parts[0] == "kimik3" and len(parts) > 1 and parts[1] != area and parts[1] not in ALLOWED[area]:
                 bad.append((str(rel), name))
             if any(name == f or name.startswith(f + ".") for f in FORBIDDEN_EXTERNAL.get(area, ())):
+                bad.append((str(rel), name))
+            if area != "hf" and parts[0] in HF_LIBRARIES:
                 bad.append((str(rel), name))
     assert not bad, bad
 

@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from kimik3.checkpoint.folder import LOADED_FROM, Folder, Scan, gc_paused, locate, missing_shards_error, scan
+from kimik3.checkpoint.hub import resolve
 from kimik3.checkpoint.inventory import (
     a_log_heads,
     compare,
@@ -54,11 +55,13 @@ from kimik3.ops.mxfp4 import decode, encode
 
 def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
          text_only: bool | None = None, keep_experts_packed: bool = False, quiet: bool = False,
-         expert_shard: tuple[int, int] | None = None, experts: str | None = None) -> K3ForConditionalGeneration:
+         expert_shard: tuple[int, int] | None = None, experts: str | None = None,
+         revision: str | None = None) -> K3ForConditionalGeneration:
     """Load a checkpoint folder (config.json, model.safetensors.index.json + shards, or model.safetensors).
 
     Args:
-        path: the checkpoint folder.
+        path: the checkpoint folder, or a Hugging Face Hub id `org/name` (read through huggingface_hub's cache;
+            `kimik3.checkpoint.hub`).
         dtype: parameter and compute dtype; None = the config's (bfloat16). The fp32 islands (KDA A_log,
             dt_bias, conv weights, o_norm; router correction bias) stay fp32: each tensor is cast to the
             dtype of the parameter or buffer it lands in.
@@ -74,6 +77,7 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
         expert_shard: (rank, world): keep and read only routed experts [rank*E/W, (rank+1)*E/W) of every
             MoE layer (expert parallelism; `kimik3.distributed.expert_parallel.load_expert_parallel`).
         experts: deprecated spelling of keep_experts_packed ("mxfp4" = True, "dequantize" = False).
+        revision: a hub id's branch, tag or commit (default: main).
 
     Returns:
         the model; `model(input_ids [B, T])` -> logits [B, T, vocab]. `model.loaded_from` is the folder.
@@ -83,7 +87,7 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
         ValueError: bad arguments; corrupt or truncated shards; not a safetensors file; tensors missing,
             unexpected, or of the wrong shape/dtype for config.json. Nothing is allocated before the checks.
     """
-    return load_sharded(path, dtype=dtype, device=device, text_only=text_only,
+    return load_sharded(resolve(path, revision), dtype=dtype, device=device, text_only=text_only,
                         keep_experts_packed=keep_experts_packed, quiet=quiet, expert_shard=expert_shard,
                         experts=experts)
 

@@ -12,10 +12,10 @@ import os
 import sys
 import warnings
 
-from kimik3.cli import atlas, chat, convert, generate, inspect, memory, params, serve, train
+from kimik3.cli import atlas, chat, convert, eval, generate, inspect, memory, params, serve, train
 
 # in the order `kimik3 --help` lists them
-COMMANDS = (params, memory, inspect, convert, generate, chat, train, atlas, serve)
+COMMANDS = (params, memory, inspect, convert, generate, chat, train, atlas, serve, eval)
 
 EXIT_USAGE, EXIT_SIGINT, EXIT_SIGPIPE = 2, 130, 141
 

@@ -12,7 +12,10 @@ from pathlib import Path
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="checkpoint folder (config.json, shards, tiktoken.model); default: the bundled demo model")
+                   help="checkpoint folder (config.json, shards, tiktoken.model) or a Hugging Face Hub id org/name "
+                        "(through the hub's cache; HF_HUB_OFFLINE=1 reads only the cache); default: the bundled "
+                        "demo model")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a hub id (default: main)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
                    help="compute dtype (default: the checkpoint's)")
@@ -82,9 +85,13 @@ def _read_json(path: Path) -> dict:
 
 
 def model_path(args) -> Path:
+    """The model folder: --model (a folder, or a hub id resolved once through the hub's cache), else the demo."""
+    from kimik3.checkpoint.hub import resolve
     from kimik3.presets import DEMO_MODEL
 
-    path = Path(args.model) if args.model else DEMO_MODEL
+    if getattr(args, "_model_dir", None) is None:
+        args._model_dir = resolve(args.model, getattr(args, "revision", None)) if args.model else DEMO_MODEL
+    path = args._model_dir
     if not path.is_dir() or not (path / "config.json").is_file():
         what = "--model" if args.model else "the bundled demo model (pass --model PATH)"
         raise FileNotFoundError(f"no model at {path} ({what}): expected a checkpoint folder with config.json")

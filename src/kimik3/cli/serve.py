@@ -14,7 +14,9 @@ from kimik3.cli.engine_args import add_engine_args, engine_config
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming, metrics)")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder or Hugging Face Hub id org/name (default: the bundled demo model)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a hub id (default: main)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -26,7 +28,8 @@ def add_parser(sub) -> None:
     add_engine_args(p)
     p.add_argument("--max-pending", type=int, default=1024,
                    help="admitted requests (running + waiting) at most; more get 503")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the hub id, else the folder name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run)
@@ -102,6 +105,7 @@ def run(args) -> int:
         from kimik3.serve import Server, ServerConfig, build_app
     except ImportError as e:
         raise ValueError(f"kimik3 serve needs the serve extra (pip install 'kimik3[serve]'): {e}") from None
+    from kimik3.checkpoint.hub import is_hub_id
     from kimik3.cli.common import model_path
     from kimik3.ops.moe import backend_choice
 
@@ -112,7 +116,8 @@ def run(args) -> int:
     # our own loggers at the asked level; torch's and other libraries' stay at warnings
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kimik3").setLevel(args.log_level.upper())
-    server = Server(ServerConfig(model_name=args.served_model_name or path.name, api_key=args.api_key,
+    name = args.served_model_name or (args.model if is_hub_id(args.model or "") else path.name)
+    server = Server(ServerConfig(model_name=name, api_key=args.api_key,
                                  max_pending=args.max_pending, defaults=_generation_defaults(path)))
     app = build_app(server)
     failed: list[BaseException] = []

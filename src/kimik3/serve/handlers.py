@@ -284,12 +284,15 @@ async def completion(server, http: Request, body: dict):
     # raw mode: the client writes the whole prompt, markers included (a chat prompt goes through encode_chat)
     prompts = [tok.encode(p, allow_special=True) if isinstance(p, str) else list(p) for p in plan.prompts]
     n = plan.sampling.n
+    # max_tokens 0 (echo only): the engine runs the prompt and samples one token, which the response leaves out
+    echo_only = plan.sampling.max_tokens == 0
     request_id = server.new_id("cmpl")
     requests, budgets = [], []
     for k, ids in enumerate(prompts):
         if not ids:
             raise APIError("prompt encodes to no tokens", param="prompt")
-        budget = server.max_tokens(len(ids), plan.sampling.max_tokens, default=_COMPLETION_DEFAULT_MAX_TOKENS)
+        budget = server.max_tokens(len(ids), 1 if echo_only else plan.sampling.max_tokens,
+                                   default=_COMPLETION_DEFAULT_MAX_TOKENS)
         budgets.append(budget)
         params = _sampling_params(**sampling_kwargs(plan.sampling, budget, logprobs=plan.logprobs,
                                                     prompt_logprobs=plan.logprobs if plan.echo else None,
@@ -307,7 +310,7 @@ async def completion(server, http: Request, body: dict):
     cached = [0] * len(prompts)
 
     def finish():
-        completion_tokens = sum(c.seen for c in choices)
+        completion_tokens = 0 if echo_only else sum(c.seen for c in choices)
         job.record(request_id, sum(map(len, prompts)), completion_tokens, [c.finish_reason for c in choices],
                    sum(cached))
         return _usage(sum(map(len, prompts)), completion_tokens, sum(cached))
@@ -336,6 +339,8 @@ async def completion(server, http: Request, body: dict):
         for c, a in zip(choices, acc):
             k = c.index // n
             text, entries = a["text"], a["logprobs"]
+            if echo_only:
+                text, entries, c.finish_reason, c.stop_reason = "", [], "length", None
             if plan.echo:
                 text = tok.decode(prompts[k]) + text
                 entries = echo_entries.get(k, [(t, None) for t in prompts[k]]) + entries

@@ -71,11 +71,12 @@ class Sampling:
     include_usage: bool
 
 
-def _sampling(body: dict, defaults: dict[str, Any], vocab_size: int) -> Sampling:
+def _sampling(body: dict, defaults: dict[str, Any], vocab_size: int, least: int = 1) -> Sampling:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise _bad(param, f"must be an integer >= 1, got {max_tokens!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < least):
+        raise _bad(param, f"must be an integer >= {least}, got {max_tokens!r}")
     kw: dict[str, Any] = {
         "temperature": _number(body, "temperature", 0, 2, default=defaults.get("temperature", 1.0)),
         "top_p": _number(body, "top_p", 0, 1, default=defaults.get("top_p", 1.0)),
@@ -315,9 +316,13 @@ def parse_completion(body: dict, *, defaults: dict[str, Any], vocab_size: int) -
             raise _bad("prompt", f"token ids must be in [0, {vocab_size})")
         if isinstance(p, str) and not p:
             raise _bad("prompt", "must not be empty")
-    sampling = _sampling(body, defaults, vocab_size)
+    # max_tokens 0 with echo: the prompt's logprobs and nothing generated (scoring, as vLLM serves lm-eval)
+    sampling = _sampling(body, defaults, vocab_size, least=0)
     logprobs = _number(body, "logprobs", 0, 20, integer=True)
     echo = _bool(body, "echo")
+    if sampling.max_tokens == 0 and (not echo or sampling.stream):
+        raise _bad("max_tokens", "0 generates nothing: it is allowed only with echo: true and without stream "
+                                 "(to get the prompt's logprobs)")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise _bad("cache_salt", "must be a non-empty string")

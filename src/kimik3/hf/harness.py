@@ -1,0 +1,185 @@
+"""lm-eval 0.4.13 in process: `KimiK3LM` (lm-eval model `kimik3`) scores and generates through kimik3's serving
+engine, and `evaluate` runs tasks with it (`kimik3 eval`). Needs the `eval` extra.
+
+Tokenization is lm-eval's own (TemplateLM: the trailing-space move of `_encode_pair`, the [BOS] prefix of an
+empty context, rolling windows over max_length), so scores line up with lm-eval's `hf` backend over the
+registered transformers classes. A loglikelihood is the sum over the continuation's tokens of the engine's prompt
+logprobs (log_softmax of the logits before each token); greedy is whether each token was its position's top-1.
+
+Shared prefixes are scored once: the (context + continuation) id sequences are deduplicated, and a sequence that
+is a prefix of another (a shorter continuation, a repeated context) reads its logprobs off the longer one's.
+Distinct continuations of one context are separate prompts: the engine computes prompt logprobs over the whole
+prompt, without its prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+import kimik3
+from kimik3.inference import SamplingParams
+from kimik3.inference.engine import Engine, Request
+from kimik3.tokenizer import Tokenizer
+
+
+@register_model("kimik3")
+class KimiK3LM(TemplateLM):
+    """A kimik3 model for lm-eval.
+
+    Args:
+        pretrained: a checkpoint folder or hub id (loaded with kimik3.load), or pass `model` and `tokenizer`.
+        dtype: compute dtype (default float32 on the CPU, the checkpoint's on CUDA).
+        device: cpu or cuda (default cuda when available).
+        batch_size: sequences the engine runs at once (its max_num_seqs).
+        max_length: tokens one scored sequence may hold (default: the model's max_position_embeddings, as
+            lm-eval's hf backend reads it); longer inputs are cut on the left, as lm-eval does.
+        max_gen_toks: generation budget when a task gives none.
+    """
+
+    def __init__(self, pretrained: str | None = None, *, model=None, tokenizer: Tokenizer | None = None,
+                 dtype: str | torch.dtype | None = None, device: str | None = None, batch_size: int | str = 8,
+                 max_length: int | None = None, max_gen_toks: int = 256, revision: str | None = None):
+        super().__init__()
+        if (pretrained is None) == (model is None):
+            raise ValueError("KimiK3LM: pass pretrained=PATH (or a hub id), or model= and tokenizer=")
+        if model is None:
+            from kimik3.checkpoint.hub import resolve
+
+            path = resolve(pretrained, revision)
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            dtype = dtype or (torch.float32 if device == "cpu" else None)
+            model = kimik3.load(path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+                                device=device, text_only=True, quiet=True).eval()
+            tokenizer = Tokenizer.from_file(path)
+        if tokenizer is None:
+            raise ValueError("KimiK3LM: model= needs tokenizer= (a kimik3.tokenizer.Tokenizer)")
+        self.model, self.tok = model, tokenizer
+        text = model.config.text if hasattr(model.config, "text") else model.config
+        self.max_length = int(max_length or text.max_position_embeddings)
+        self.max_gen_toks = int(max_gen_toks)
+        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        eos = sorted({tokenizer.eos_id, getattr(model.config, "eos_token_id", None)} - {None})
+        # one sequence holds at most max_length + 1 scored ids, or a context plus its generation budget
+        self.engine = Engine(model, max_num_seqs=self.batch_size, max_model_len=self.max_length + 2,
+                             eos_token_ids=eos, tokenizer=tokenizer)
+        self.scored_tokens = 0  # prompt tokens the engine ran for loglikelihoods (after prefix sharing)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tok.bos_id  # what lm-eval's hf backend prefixes an empty context with (the tokenizer's BOS)
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tok.encode(string, allow_special=True)  # as AutoTokenizer's encode reads special names
+
+    def tok_decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids))
+
+    def _run(self, requests: list[Request]) -> dict[str, object]:
+        """Run engine requests to the end; request id -> its final RequestOutput."""
+        done = {}
+        pending = list(requests)
+        while pending or self.engine.has_unfinished():
+            while pending and len(self.engine.requests) < self.batch_size:
+                self.engine.add_request(pending.pop(0))
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return done
+
+    def token_logprobs(self, sequences: list[list[int]]) -> dict[tuple[int, ...], list[tuple[float, bool]]]:
+        """(logprob, is top-1) of every token after the first, per distinct sequence, prefixes sharing a score."""
+        unique = sorted(set(map(tuple, sequences)))
+        owner: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for i in range(len(unique) - 1, -1, -1):  # a prefix sorts right before the sequences that extend it
+            s = unique[i]
+            nxt = unique[i + 1] if i + 1 < len(unique) else None
+            owner[s] = owner[nxt] if nxt is not None and nxt[:len(s)] == s else s
+        roots = sorted(set(owner.values()), key=len, reverse=True)
+        params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=1, ignore_eos=True)
+        outs = self._run([Request(f"ll-{k}", list(r), params) for k, r in enumerate(roots)])
+        scored = {}
+        for k, r in enumerate(roots):
+            entries = outs[f"ll-{k}"].prompt_logprobs[1:]
+            scored[r] = [(e.logprob, e.top[0][0] == e.token_id) for e in entries]
+        self.scored_tokens += sum(map(len, roots))
+        return {s: scored[owner[s]][:len(s) - 1] for s in unique}
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        seqs, spans = [], []
+        for _, context_enc, continuation_enc in requests:
+            whole = (context_enc + continuation_enc)[-(self.max_length + 1):]  # lm-eval's left truncation
+            seqs.append(whole)
+            spans.append(len(continuation_enc))
+        table = self.token_logprobs(seqs)
+        results = []
+        for whole, n in zip(seqs, spans):
+            rows = table[tuple(whole)][len(whole) - 1 - n:]
+            results.append((float(sum(lp for lp, _ in rows)), all(g for _, g in rows)))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for k, (string,) in enumerate(req.args for req in requests):
+            for context, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append(((None, None), context, cont))
+                owners.append(k)
+        totals = [0.0] * len(requests)
+        for k, (ll, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[k] += ll
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        engine_requests, stops = [], []
+        for k, (context, gen_kwargs) in enumerate(req.args for req in requests):
+            kw = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            until = handle_stop_sequences(kw.pop("until", None), eos=self.tok.decode([self.eot_token_id]))
+            budget = kw.pop("max_gen_toks")
+            if budget >= self.max_length:
+                raise ValueError(f"max_gen_toks {budget} must be below the model's max_length {self.max_length}")
+            ids = self.tok_encode(context)[-(self.max_length - budget):]
+            temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample") else 0.0
+            params = SamplingParams(max_new_tokens=budget, temperature=temperature, stop=tuple(until),
+                                    seed=kw.get("seed"))
+            engine_requests.append(Request(f"gen-{k}", ids, params))
+            stops.append(until)
+        outs = self._run(engine_requests)
+        texts = []
+        for k, until in enumerate(stops):
+            text = self.tok_decode(outs[f"gen-{k}"].outputs[0].token_ids)
+            for s in until:  # the text before the first stop sequence, as lm-eval's hf backend returns it
+                text = text.split(s)[0]
+            texts.append(text)
+        return texts
+
+
+def evaluate(model: str, tasks: Sequence[str], *, include_path: str | None = None, limit: float | None = None,
+             num_fewshot: int | None = None, batch_size: int = 8, device: str | None = None, dtype: str | None = None,
+             revision: str | None = None, output_path: str | Path | None = None, log_samples: bool = False) -> dict:
+    """Run lm-eval `tasks` on a kimik3 model in process; returns lm-eval's results dict (written as JSON to
+    `output_path` when given)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    lm = KimiK3LM(model, dtype=dtype, device=device, batch_size=batch_size, revision=revision)
+    results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                              task_manager=manager, log_samples=log_samples)
+    if results is None:
+        raise ValueError(f"lm-eval returned no results for tasks {list(tasks)}")
+    if output_path is not None:
+        Path(output_path).write_text(json.dumps(results, indent=2, default=str))
+    return results

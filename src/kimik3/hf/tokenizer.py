@@ -1,0 +1,160 @@
+"""`KimiK3Tokenizer`: a transformers `PreTrainedTokenizer` over kimik3's tokenizer and XTML chat encoder.
+
+Ids, special tokens and decoding are `kimik3.tokenizer.Tokenizer`'s (one BPE, over the folder's `tiktoken.model`);
+`apply_chat_template` is `encode_chat` / `encode_chat_with_mask` with their keywords (tools, thinking,
+thinking_effort, tool_choice, response_format). The released folder has no Jinja template (spec 5: XTML is
+rendered in Python), so `chat_template` holds a short stand-in that names the encoder; its `{% generation %}`
+markers tell trainers (TRL) that assistant masks come back from `return_assistant_tokens_mask=True`.
+
+Token strings are the tokens' bytes through GPT-2's byte-to-character table (printable, reversible), special
+tokens their names, so `convert_ids_to_tokens` / `get_vocab` work as transformers expects.
+"""
+
+from __future__ import annotations
+
+import shutil
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizer
+
+from kimik3.tokenizer import Tokenizer, encode_chat_with_mask
+
+FILE = "tiktoken.model"
+RELEASED_TOKENIZER_CLASS = "TikTokenTokenizer"  # tokenizer_config.json's tokenizer_class in the release
+# what transformers reads to tell trainers the template marks assistant tokens; rendering is kimik3's encoder
+CHAT_TEMPLATE = ("{# Kimi K3 XTML: rendered by kimik3.tokenizer.encode_chat (KimiK3Tokenizer.apply_chat_template), "
+                 "not by this template #}{% for message in messages %}{% if message['role'] == 'assistant' %}"
+                 "{% generation %}{{ message['content'] }}{% endgeneration %}{% else %}{{ message['content'] }}"
+                 "{% endif %}{% endfor %}")
+_CHAT_KEYS = ("tools", "thinking", "thinking_effort", "tool_choice", "response_format", "image_prompts")
+
+
+@lru_cache(maxsize=1)
+def _byte_chars() -> tuple[str, ...]:
+    """GPT-2's bytes_to_unicode: byte b -> one printable character (printable bytes map to themselves)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return tuple(chars[b] for b in range(256))
+
+
+class KimiK3Tokenizer(PreTrainedTokenizer):
+    """K3's tokenizer for transformers. `vocab_file`: the folder's tiktoken.model."""
+
+    vocab_files_names = {"vocab_file": FILE}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, vocab_file: str, **kwargs: Any):
+        if not Path(vocab_file).is_file():
+            raise FileNotFoundError(f"{vocab_file}: no tiktoken.model (K3's tokenizer file) to load")
+        self.vocab_file = str(vocab_file)
+        self.k3 = Tokenizer.from_file(vocab_file)
+        chars = _byte_chars()
+        ranks = self.k3._enc._mergeable_ranks  # bytes -> id, what tiktoken.model holds
+        self._id_to_token = [""] * self.k3.vocab_size
+        for token, i in ranks.items():
+            self._id_to_token[i] = "".join(chars[b] for b in token)
+        for name, i in self.k3.special_ids.items():
+            self._id_to_token[i] = name
+        self._token_to_id = {t: i for i, t in enumerate(self._id_to_token)}
+        self._char_byte = {c: b for b, c in enumerate(chars)}
+        kwargs.setdefault("bos_token", "[BOS]")
+        kwargs.setdefault("eos_token", "<|end_of_msg|>")  # the generation EOS (config.eos_token_id)
+        kwargs.setdefault("pad_token", "[PAD]")
+        kwargs.setdefault("unk_token", "[UNK]")
+        kwargs.setdefault("chat_template", CHAT_TEMPLATE)
+        kwargs.setdefault("clean_up_tokenization_spaces", False)
+        super().__init__(**kwargs)
+        # every special id is one token when it appears in text, as kimik3's encode(allow_special=True) reads it
+        self.add_tokens([n for n in self.k3.special_ids if n not in self.all_special_tokens], special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.k3.vocab_size
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._token_to_id)
+
+    def _tokenize(self, text: str, **kwargs: Any) -> list[str]:
+        # text between special names (transformers splits those off first): ordinary BPE, as kimik3's encode
+        return [self._id_to_token[i] for i in self.k3.encode(text)]
+
+    def _convert_token_to_id(self, token: str) -> int:
+        return self._token_to_id.get(token, self.k3.unk_id)
+
+    def _convert_id_to_token(self, index: int) -> str:
+        return self._id_to_token[index]
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        ids = [self._token_to_id[t] for t in tokens]
+        return self.k3.decode(ids)
+
+    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None,
+                **kwargs: Any) -> str:
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        if skip_special_tokens:
+            ids = [i for i in ids if not self.k3.is_special(i)]
+        return self.k3.decode(ids)  # whole-sequence UTF-8, exactly kimik3's decode
+
+    def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None):
+        # K3 adds no BOS or EOS to encoded text (spec 5)
+        return token_ids_0 + (token_ids_1 or [])
+
+    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
+        out = Path(save_directory) / ((filename_prefix + "-" if filename_prefix else "") + FILE)
+        if Path(self.vocab_file).resolve() != out.resolve():
+            shutil.copyfile(self.vocab_file, out)
+        return (str(out),)
+
+    def apply_chat_template(self, conversation, tools: list | None = None, documents=None, chat_template=None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            tokenize: bool = True, padding=False, truncation: bool = False, max_length=None,
+                            return_tensors=None, return_dict: bool = True, return_assistant_tokens_mask: bool = False,
+                            tokenizer_kwargs=None, **kwargs: Any):
+        """kimik3's XTML encoder behind transformers' signature.
+
+        Keywords besides transformers' own: thinking (default True), thinking_effort (default "max"), tool_choice,
+        response_format, image_prompts (see `kimik3.tokenizer.encode_chat`). `add_generation_prompt` defaults to
+        False as in transformers (encode_chat's default is True). Returns ids (tokenize=True, return_dict=False),
+        a BatchEncoding with input_ids, attention_mask and, with return_assistant_tokens_mask, assistant_masks
+        (1 on the ids an SFT loss trains on: `encode_chat_with_mask`), or the rendered text (tokenize=False).
+        A batch (a list of conversations) gives lists.
+        """
+        if documents or continue_final_message or (chat_template not in (None, self.chat_template)):
+            raise ValueError("KimiK3Tokenizer.apply_chat_template: documents, continue_final_message and another "
+                             "chat_template are not supported (K3's format is kimik3's XTML encoder)")
+        unknown = set(kwargs) - set(_CHAT_KEYS)
+        if unknown:
+            raise ValueError(f"KimiK3Tokenizer.apply_chat_template: unknown arguments {sorted(unknown)} "
+                             f"(the encoder takes {', '.join(_CHAT_KEYS)})")
+        batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
+        convs = conversation if batched else [conversation]
+        if tokenize and return_tensors is not None:
+            batched = True  # tensors always have a batch axis: one conversation gives [1, T]
+        chat = {"tools": tools, "add_generation_prompt": add_generation_prompt, **kwargs}
+        convs = [[dict(m) for m in c] for c in convs]  # datasets hand rows as Mapping-like objects
+        if not tokenize:
+            from kimik3.tokenizer import render_chat
+
+            texts = [render_chat(c, **chat) for c in convs]
+            return texts if batched else texts[0]
+        encoded = [encode_chat_with_mask(self.k3, c, **chat) for c in convs]
+        ids = [e[0] for e in encoded]
+        if not return_dict:
+            out = ids if batched else ids[0]
+            return self.pad({"input_ids": out}, padding=padding or bool(return_tensors), max_length=max_length,
+                            return_tensors=return_tensors)["input_ids"] if return_tensors else out
+        data = {"input_ids": ids}
+        if return_assistant_tokens_mask:
+            data["assistant_masks"] = [[int(m) for m in e[1]] for e in encoded]
+        if not batched:
+            data = {k: v[0] for k, v in data.items()}
+        return self.pad(data, padding=padding, max_length=max_length, return_tensors=return_tensors,
+                        **(tokenizer_kwargs or {}))
