@@ -262,7 +262,7 @@ def mixed_row(model, s, vocab, graphs, results, rows, mode) -> None:
 if __name__ == "__main__":
     args = sys.argv[1:]
     # rows joined by "," or "+" (bench/device_suite.sh splits its step arguments at commas)
-    which = tuple(args[args.index("--rows") + 1].replace("+", ",").split(",")) if "--rows" in args else ("decode", "mixedstep",
-                                                                                        "prefix", "mixed")
+    rows = args[args.index("--rows") + 1].replace("+", ",") if "--rows" in args else "decode,mixedstep,prefix,mixed"
+    which = tuple(rows.split(","))
     main("smoke" if "--smoke" in args else "cpu-demo" if "--cpu-demo" in args else "device", which,
          "--profile" in args)
