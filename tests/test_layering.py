@@ -2,7 +2,8 @@
 
 Inside the package the rooms form a fan, not a chain:
 
-    config <- ops <- model <- {checkpoint, inference, atlas} <- distributed <- train <- cli
+    config <- ops <- model <- quant (transforms of a built model) <- {checkpoint, inference, atlas} <- distributed
+        <- train <- cli
     tokenizer and vision (preprocessing) sit beside ops; serve sits on inference + tokenizer
 
 Outside it: nothing imports `tests/` but `tests/`; nothing in `src/` imports `bench/` or `tools/`; `bench/` and
@@ -22,11 +23,12 @@ ALLOWED = {
     "testing": set(),
     "ops": set(),
     "model": {"config", "ops"},
-    "checkpoint": {"config", "ops", "model", "presets"},
+    "quant": {"config", "ops", "model"},
+    "checkpoint": {"config", "ops", "model", "presets", "quant"},
     "atlas": {"config", "ops", "model", "checkpoint", "presets", "tokenizer"},
     "tokenizer": {"config"},
     "vision": {"config", "ops", "model"},
-    "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets"},
+    "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets", "quant"},
     "serve": {"config", "ops", "model", "checkpoint", "inference", "tokenizer", "presets", "vision"},
     "distributed": {"config", "ops", "model", "checkpoint"},
     "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets"},

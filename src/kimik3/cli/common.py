@@ -144,15 +144,13 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
     import kimik3
     from kimik3.config import K3Config
     from kimik3.inference.threads import pick_cpu_threads
-    from kimik3.model.moe import relayout_experts
-    from kimik3.ops.moe import backend_choice
+    from kimik3.quant import relayout_experts
     from kimik3.tokenizer import Tokenizer
 
     path = model_path(args)
     cfg = K3Config.from_file(path / "config.json")
     check_request(args, cfg, images=bool(vision))
     sampling_params(args)  # bad sampling values fail before the (long) load
-    backend_choice()  # and a misspelt KIMIK3_MOE_BACKEND
     tokenizer = _tokenizer(Tokenizer, path)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -162,7 +160,7 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
     if getattr(args, "parallel", None):
         return _load_parallel(args, path, dtype, device, text_only), tokenizer, path
     model = kimik3.load(path, dtype=dtype, device=device, text_only=text_only).eval()
-    relayout_experts(model)  # Humming's kernels where KIMIK3_MOE_BACKEND (auto) picks them: one copy, inference only
+    relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
     if vision and not model.has_vision:
         raise ValueError(f"--image: the checkpoint at {path} holds no vision tower tensors (vision_tower.*): "
                          "it reads text only")

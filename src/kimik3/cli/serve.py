@@ -3,6 +3,7 @@ an OpenAI-compatible HTTP server (needs the `serve` extra)."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -48,14 +49,14 @@ def build_engine(args, path):
     import kimik3
     from kimik3.cli.common import end_ids
     from kimik3.inference.engine import Engine
-    from kimik3.model.moe import relayout_experts
+    from kimik3.quant import relayout_experts
     from kimik3.tokenizer import Tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else None)
     tokenizer = Tokenizer.from_file(path)
     model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True).eval()
-    relayout_experts(model)  # Humming's kernels where KIMIK3_MOE_BACKEND (auto) picks them: one copy, inference only
+    relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, prefix_cache_bytes=args.prefix_cache_bytes,
                     enable_prefix_cache=not args.no_prefix_cache, eos_token_ids=end_ids(model, tokenizer),
@@ -87,11 +88,9 @@ def run(args) -> int:
     except ImportError as e:
         raise ValueError(f"kimik3 serve needs the serve extra (pip install 'kimik3[serve]'): {e}") from None
     from kimik3.cli.common import model_path
-    from kimik3.ops.moe import backend_choice
 
     path = model_path(args)
     _check_address(args.host, args.port)
-    backend_choice()  # a misspelt KIMIK3_MOE_BACKEND fails before the (long) load, not in its thread
     # our own loggers at the asked level; torch's and other libraries' stay at warnings
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kimik3").setLevel(args.log_level.upper())
@@ -112,7 +111,8 @@ def run(args) -> int:
             uv.should_exit = True
 
     uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    loader = threading.Thread(target=load, name="kimik3-load", daemon=True)
+    # a thread starts with a fresh context: run it in a copy of ours, so it keeps the command's MoE backend
+    loader = threading.Thread(target=contextvars.copy_context().run, args=(load,), name="kimik3-load", daemon=True)
     loader.start()
     try:
         uv.run()
