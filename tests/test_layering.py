@@ -31,7 +31,8 @@ ALLOWED = {
     "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets", "quant"},
     "serve": {"config", "ops", "model", "checkpoint", "inference", "tokenizer", "presets", "vision"},
     "distributed": {"config", "ops", "model", "checkpoint"},
-    "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets"},
+    "lora": {"config", "ops", "model", "checkpoint"},
+    "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets", "lora"},
 }
 TOP_LEVEL = ("cli", "__init__", "__main__")  # the faces: may import anything in the package
 FORBIDDEN_EXTERNAL = {"model": {"triton", "torch.distributed"}, "config": {"torch"}}

@@ -78,6 +78,25 @@ def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packe
     return reference.routed_experts_mxfp4(z, topk_idx, topk_weight, packed, scales, beta, linear_beta)
 
 
+
+def routed_experts_mxfp4_lora(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: tuple[Tensor, Tensor, Tensor],
+                              scales: tuple[Tensor, Tensor, Tensor], lora_a: tuple[Tensor, Tensor, Tensor],
+                              lora_b: tuple[Tensor, Tensor, Tensor], scale: float, beta: float,
+                              linear_beta: float) -> Tensor:
+    """`routed_experts_mxfp4` with LoRA factors on every expert's w1, w3, w2 over the frozen packed weights
+    (`.lora`: the per-expert loop on every device for now): forward, and backward for z and the factors only.
+
+    Args:
+        lora_a: (A1 [E', R, L], A3 [E', R, L], A2 [E', R, F]); lora_b: (B1 [E', F, R], B3 [E', F, R],
+            B2 [E', L, R]); E' is E (per expert) or 1 (shared by the layer's experts).
+        scale: the LoRA scale (alpha / R).
+        other arguments: as `routed_experts_mxfp4`.
+    """
+    from kimik3.ops.moe import lora
+
+    return lora.routed_experts_mxfp4_lora(z, topk_idx, topk_weight, packed, scales, lora_a, lora_b, scale, beta,
+                                          linear_beta)
+
 def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, relaid, beta: float,
                           linear_beta: float) -> Tensor:
     """`routed_experts_mxfp4` on experts in Humming's layout (`humming.relayout` of the packed codes and scales):
