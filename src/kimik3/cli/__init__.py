@@ -13,10 +13,10 @@ import os
 import sys
 import warnings
 
-from kimik3.cli import atlas, chat, convert, generate, inspect, memory, params, serve, train
+from kimik3.cli import atlas, chat, convert, generate, inspect, lora, memory, params, serve, train
 
 # in the order `kimik3 --help` lists them
-COMMANDS = (params, memory, inspect, convert, generate, chat, train, atlas, serve)
+COMMANDS = (params, memory, inspect, convert, generate, chat, train, lora, atlas, serve)
 
 EXIT_USAGE, EXIT_SIGINT, EXIT_SIGPIPE = 2, 130, 141
 

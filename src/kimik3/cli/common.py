@@ -22,6 +22,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: 1 for models under 100M parameters, else torch's; OMP_NUM_THREADS "
                         "is respected)")
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="a LoRA adapter folder (adapter_config.json + adapter_model.safetensors, e.g. a training "
+                        "run's checkpoints/step-*/adapter) put on the model; its routed experts stay MXFP4")
 
 
 # sampling flags left unset take the model's generation_config.json value (Hugging Face keys), else the
@@ -157,9 +160,21 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
     # None with images too: a config with a vision_config over shards without its tensors loads as text
     # (the usual shape of text-only test checkpoints), and the check below says so
     text_only = True if vision is False else None
+    lora = getattr(args, "lora", None)
+    if lora is not None:
+        from kimik3.lora import read_config
+
+        read_config(lora)  # a wrong --lora fails before the (long) load
+        if getattr(args, "parallel", None):
+            raise ValueError("--lora with --parallel is not supported yet: merge the adapter first (kimik3 lora merge)")
     if getattr(args, "parallel", None):
         return _load_parallel(args, path, dtype, device, text_only), tokenizer, path
-    model = kimik3.load(path, dtype=dtype, device=device, text_only=text_only).eval()
+    model = kimik3.load(path, dtype=dtype, device=device, text_only=text_only, keep_experts_packed=lora is not None)
+    if lora is not None:
+        from kimik3.lora import load as load_adapter
+
+        load_adapter(model, lora)
+    model = model.eval()
     relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
     if vision and not model.has_vision:
         raise ValueError(f"--image: the checkpoint at {path} holds no vision tower tensors (vision_tower.*): "
