@@ -4,7 +4,8 @@ Inside the package the rooms form a fan, not a chain:
 
     config <- ops <- model <- quant (transforms of a built model) <- {checkpoint, inference, atlas} <- distributed
         <- train <- cli
-    tokenizer and vision (preprocessing) sit beside ops; serve sits on inference + tokenizer
+    tokenizer and vision (preprocessing) sit beside ops; serve sits on inference + tokenizer; lora (adapters over the
+    frozen base) sits on model + checkpoint and under train; the model never imports lora
 
 Outside it: nothing imports `tests/` but `tests/`; nothing in `src/` imports `bench/` or `tools/`; `bench/` and
 `tools/` never import `tests/`.

@@ -45,6 +45,14 @@ def test_targets_are_checked(base_dir):
         lora.LoraConfig(rank=0)
 
 
+def test_saving_a_model_with_an_adapter_says_how(base_dir, tmp_path):
+    import kimik3
+
+    model = lora.apply(load_base(base_dir), lora.LoraConfig(rank=2, targets=["*.self_attn.q_proj"]))
+    with pytest.raises(ValueError, match="carries a LoRA adapter.*kimik3.lora.save"):
+        kimik3.save(model, tmp_path / "x", quiet=True)
+
+
 def test_size_report_names_every_target(base_dir):
     model = lora.apply(load_base(base_dir), lora.LoraConfig(rank=6, targets=TARGETS, rank_scaling=True))
     text = lora.format_adapter_size(model)
