@@ -94,6 +94,27 @@ def test_peft_names_and_shapes(base_dir, tmp_path):
     assert tensors[q + ".lora_A.weight"].shape[1] == D or tensors[q + ".lora_A.weight"].ndim == 2
 
 
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
+def test_per_expert_view_and_peft_tensors_give_each_experts_delta(base_dir, tmp_path, layout):
+    """The mapping docs/lora.md gives for vLLM/SGLang: per expert e, scale * B_e A_e is the adapter's delta."""
+    model = lora.apply(load_base(base_dir), lora.LoraConfig(rank=4, targets=TARGETS, experts=layout))
+    randomize_adapter(model, seed=4)
+    flat = lora.per_expert_state_dict(model)
+    lora.save(model, tmp_path / "a")
+    peft_t = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    name, m = next((n, m) for n, m in lora.lora_modules(model).items() if isinstance(m, LoraExperts))
+    nest = {"w1": "base_layer.base_layer.", "w3": "base_layer.", "w2": ""}
+    for p in ("w1", "w3", "w2"):
+        want = m.delta(p)
+        key = f"base_model.model.{name}"
+        a, b = peft_t[f"{key}.{nest[p]}lora_A.weight"], peft_t[f"{key}.{nest[p]}lora_B.weight"]
+        E, R = m.num_experts, a.shape[0] // m.num_experts
+        for e in range(E):
+            one = flat[f"{key}.{e}.{p}.lora_B.weight"] @ flat[f"{key}.{e}.{p}.lora_A.weight"]
+            via_peft = b.view(b.shape[0], R, E)[:, :, e] @ a.view(E, R, -1)[e]
+            assert torch.allclose(one * m.scale, want[e]) and torch.equal(one, via_peft)
+
+
 def test_merged_equals_base_plus_adapter(base_dir, tmp_path):
     model = lora.apply(load_base(base_dir), lora.LoraConfig(rank=4, targets=TARGETS, experts="shared_outer"))
     randomize_adapter(model, seed=2)

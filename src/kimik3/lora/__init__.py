@@ -14,7 +14,7 @@ docs/lora.md describes the layouts and how they map to PEFT, vLLM and SGLang.
 from kimik3.lora.apply import adapter_size, apply, format_adapter_size, lora_modules
 from kimik3.lora.config import EXPERT_LAYOUTS, LoraConfig
 from kimik3.lora.merge import merge, merge_checkpoint
-from kimik3.lora.peft import load, load_weights, read_config, save
+from kimik3.lora.peft import load, load_weights, per_expert_state_dict, read_config, save
 
 __all__ = ["EXPERT_LAYOUTS", "LoraConfig", "adapter_size", "apply", "format_adapter_size", "load", "load_weights",
-           "lora_modules", "merge", "merge_checkpoint", "read_config", "save"]
+           "lora_modules", "merge", "merge_checkpoint", "per_expert_state_dict", "read_config", "save"]

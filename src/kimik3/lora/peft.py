@@ -75,6 +75,26 @@ def state_dict(model: nn.Module) -> dict[str, Tensor]:
     return {k: v.float().cpu().contiguous() for k, v in out.items()}
 
 
+def per_expert_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """`state_dict` with each routed expert unstacked into its own Linear-convention pair, the view vLLM's and
+    SGLang's per-expert MoE LoRA loaders read: `<experts>.{e}.w1.lora_A.weight` [R, L], `.lora_B.weight` [F, R]
+    (w3 the same, w2 [R, F] / [L, R]), the checkpoint's per-expert names (`experts.{e}.w1`). Linear targets as in
+    `state_dict`. docs/lora.md gives the same mapping from the PEFT tensors."""
+    out = {}
+    for name, m in lora_modules(model).items():
+        if not isinstance(m, LoraExperts):
+            out[f"{PREFIX}{name}.lora_A.weight"] = m.lora_A.detach()
+            out[f"{PREFIX}{name}.lora_B.weight"] = m.lora_B.detach()
+            continue
+        for p in PROJECTIONS:
+            a = getattr(m, f"{p}_lora_A").detach().expand(m.num_experts, -1, -1)
+            b = getattr(m, f"{p}_lora_B").detach().expand(m.num_experts, -1, -1)
+            for e in range(m.num_experts):
+                out[f"{PREFIX}{name}.{e}.{p}.lora_A.weight"] = a[e]
+                out[f"{PREFIX}{name}.{e}.{p}.lora_B.weight"] = b[e]
+    return {k: v.float().cpu().contiguous() for k, v in out.items()}
+
+
 def peft_config(model: nn.Module, base_name_or_path: str | None = None) -> dict:
     """adapter_config.json for `model`'s adapter: explicit module and parameter names (PEFT matches them exactly)."""
     cfg: LoraConfig = model.lora_config
