@@ -44,8 +44,10 @@ from kimik3.inference.engine import Engine, Request
 from kimik3.inference.engine.runner import _DecodeGraph
 from kimik3.model import K3ForCausalLM
 from kimik3.model.cache import state_bytes
-from kimik3.model.moe import LatentMoE, relayout_experts
+from kimik3.model.moe import LatentMoE
+from kimik3.ops.backend import moe_backend_from_env, use_backend
 from kimik3.presets import load_config
+from kimik3.quant import relayout_experts
 
 SIZES = {  # mixed: requests, prompt range, output range, static batch; decode: context, steps; prefix tokens
     "device": dict(requests=64, prompt=(128, 4096), output=(16, 512), static_batch=16, context=1024, steps=16,
@@ -185,7 +187,8 @@ def main(mode: str, which: tuple[str, ...] = ("decode", "mixedstep", "prefix", "
     bandwidth = ceilings()["copy_bytes_per_s"]
     # counted on the stored experts, before `relayout_experts` may hand them to Humming's layout (as serve does)
     roofs = {B: roofline_ms(model, B, s["context"], bandwidth) for B in s["batches"]}
-    results["experts"] = "humming" if relayout_experts(model) else "triton"
+    with use_backend(moe=moe_backend_from_env()):  # KIMIK3_MOE_BACKEND, read as the CLI reads it
+        results["experts"] = "humming" if relayout_experts(model) else "triton"
     print(f"MXFP4 experts run {results['experts']}'s kernels", flush=True)
     positions = model.config.max_position_embeddings
     for B in s["batches"] if "decode" in which else ():

@@ -30,7 +30,7 @@ from kimik3.checkpoint.sharded import slice_experts  # noqa: E402
 from kimik3.config import K3Config  # noqa: E402
 from kimik3.distributed import apply_expert_parallel  # noqa: E402
 from kimik3.model import K3ForCausalLM  # noqa: E402
-from kimik3.model.moe import pack_experts  # noqa: E402
+from kimik3.quant import pack_experts  # noqa: E402
 
 
 def slice_24() -> K3Config:

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from bench.common import DEVICE
-from kimik3.model.moe import MXFP4Experts, pack_experts, relayout_experts
+from kimik3.model.moe import MXFP4Experts
+from kimik3.ops.backend import moe_backend_from_env, use_backend
+from kimik3.quant import pack_experts, relayout_experts
 
 
 @torch.no_grad()
@@ -39,7 +41,8 @@ def materialize(module: nn.Module, seed: int = 0) -> nn.Module:
 def experts_backend_of(module: nn.Module) -> str:
     """Hand the module's MXFP4 experts to Humming's layout where KIMIK3_MOE_BACKEND picks it, as `kimik3 generate`
     and `kimik3 serve` do (`relayout_experts`); returns the W4A16 kernels they will run: "humming" or "triton"."""
-    return "humming" if relayout_experts(module) else "triton"
+    with use_backend(moe=moe_backend_from_env()):  # the CLI reads the variable the same way
+        return "humming" if relayout_experts(module) else "triton"
 
 
 def expert_bytes(module: nn.Module) -> int:

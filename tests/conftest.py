@@ -66,6 +66,23 @@ def one_thread():
 
 
 @pytest.fixture
+def set_moe():
+    """`set_moe(name)` picks the MoE backend for the rest of the test (the context variable `use_backend(moe=...)`
+    sets, and the CLI sets from KIMIK3_MOE_BACKEND); the default comes back after it."""
+    from kimik3.ops import backend
+
+    tokens = []
+
+    def set_(name: str) -> None:
+        assert name in backend.MOE_BACKENDS, name
+        tokens.append(backend._moe_backend.set(name))
+
+    yield set_
+    for token in reversed(tokens):
+        backend._moe_backend.reset(token)
+
+
+@pytest.fixture
 def poison():
     """NaN-fill a tensor the op must overwrite completely."""
     def fill(t):

@@ -2,8 +2,10 @@
 
 Inside the package the rooms form a fan, not a chain:
 
-    config <- ops <- model <- {checkpoint, inference, atlas} <- distributed <- train <- cli
-    tokenizer and vision (preprocessing) sit beside ops; serve sits on inference + tokenizer
+    config <- ops <- model <- quant (transforms of a built model) <- {checkpoint, inference, atlas} <- distributed
+        <- train <- cli
+    tokenizer and vision (preprocessing) sit beside ops; serve sits on inference + tokenizer; lora (adapters over the
+    frozen base) sits on model + checkpoint and under train; the model never imports lora
     hf (transformers classes, lm-eval model) sits on model, checkpoint, tokenizer and inference; only cli imports it
 
 Outside it: nothing imports `tests/` but `tests/`; nothing in `src/` imports `bench/` or `tools/`; `bench/` and
@@ -23,15 +25,17 @@ ALLOWED = {
     "testing": set(),
     "ops": set(),
     "model": {"config", "ops"},
-    "checkpoint": {"config", "ops", "model", "presets"},
+    "quant": {"config", "ops", "model"},
+    "checkpoint": {"config", "ops", "model", "presets", "quant"},
     "atlas": {"config", "ops", "model", "checkpoint", "presets", "tokenizer"},
     "tokenizer": {"config"},
     "vision": {"config", "ops", "model"},
-    "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets"},
+    "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets", "quant"},
     "serve": {"config", "ops", "model", "checkpoint", "inference", "tokenizer", "presets", "vision"},
     "distributed": {"config", "ops", "model", "checkpoint"},
-    "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets"},
+    "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets", "lora"},
     "hf": {"config", "ops", "model", "checkpoint", "tokenizer", "inference", "presets"},
+    "lora": {"config", "ops", "model", "checkpoint"},
 }
 TOP_LEVEL = ("cli", "__init__", "__main__")  # the faces: may import anything in the package
 FORBIDDEN_EXTERNAL = {"model": {"triton", "torch.distributed"}, "config": {"torch"}}

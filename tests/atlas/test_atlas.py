@@ -143,7 +143,7 @@ def test_facts_are_this_builds_numbers(k3_atlas, tiny_atlas):
 
 def test_packed_model_accounts_the_same():
     from kimik3.atlas.accounting import account
-    from kimik3.model.moe import pack_experts
+    from kimik3.quant import pack_experts
 
     cfg = load_config("tiny")
     comps = components(cfg)

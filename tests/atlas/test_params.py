@@ -106,7 +106,7 @@ def test_params_cli_bad_config(capsys, tmp_path):
 
 
 def test_packed_experts_count_and_map_the_same(released_meta, k3_config):
-    from kimik3.model.moe import pack_experts
+    from kimik3.quant import pack_experts
 
     with torch.device("meta"):
         packed = pack_experts(K3ForConditionalGeneration(k3_config))

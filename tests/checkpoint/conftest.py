@@ -13,7 +13,7 @@ from kimik3.checkpoint import save
 from kimik3.checkpoint.inventory import without_vision
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
-from kimik3.model.moe import pack_experts
+from kimik3.quant import pack_experts
 from tests.helpers import randomize
 
 

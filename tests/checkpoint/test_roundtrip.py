@@ -12,8 +12,9 @@ from kimik3.checkpoint.inventory import without_vision
 from kimik3.checkpoint.writer import _generation_config, parse_size
 from kimik3.config import K3Config
 from kimik3.model import K3ForCausalLM, K3ForConditionalGeneration
-from kimik3.model.moe import MXFP4Experts, pack_experts
+from kimik3.model.moe import MXFP4Experts
 from kimik3.ops.mxfp4 import decode
+from kimik3.quant import pack_experts
 from tests.checkpoint.conftest import all_tensors, assert_state_equal, copy_of, edit_json
 from tests.helpers import CONFIGS, randomize
 

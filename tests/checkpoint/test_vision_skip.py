@@ -10,7 +10,7 @@ from kimik3.checkpoint import inspect_checkpoint, load, save
 from kimik3.checkpoint.keys import TensorSpec, checkpoint_specs, is_vision_key
 from kimik3.checkpoint.safetensors_header import encode_header
 from kimik3.model import K3ForConditionalGeneration
-from kimik3.model.moe import pack_experts
+from kimik3.quant import pack_experts
 from tests.checkpoint.conftest import assert_state_equal, copy_of, edit_json
 from tests.helpers import CONFIGS, randomize
 

@@ -12,7 +12,7 @@ import kimik3
 from kimik3.cli import main
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
-from kimik3.model.moe import pack_experts
+from kimik3.quant import pack_experts
 from tests.helpers import CONFIGS, randomize
 
 

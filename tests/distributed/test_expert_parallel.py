@@ -34,7 +34,8 @@ from kimik3.config import K3Config
 from kimik3.distributed import expert_parallel as ep
 from kimik3.distributed.parallelize import parallelize
 from kimik3.model import K3ForCausalLM, K3ForConditionalGeneration
-from kimik3.model.moe import Experts, LatentMoE, MXFP4Experts, pack_experts
+from kimik3.model.moe import Experts, LatentMoE, MXFP4Experts
+from kimik3.quant import pack_experts
 from tests.helpers import CONFIGS, free_port, randomize
 
 T = 32  # tokens per row: enough that every expert's matmuls see >= 4 rows

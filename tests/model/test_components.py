@@ -205,8 +205,8 @@ def test_router_bias_selects_only(tiny_config):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_experts_equal_dequantized(tiny_config, dtype):
-    from kimik3.model.moe import pack_experts
     from kimik3.ops.mxfp4 import decode, encode
+    from kimik3.quant import pack_experts
 
     moe = randomize(LatentMoE(tiny_config.text, dtype), seed=9)
     with torch.no_grad():  # make the dense experts exactly representable, then pack them

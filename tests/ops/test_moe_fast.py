@@ -211,8 +211,8 @@ def _gpu_case(N, A, dims, seed):
 @pytest.mark.parametrize("dims", [K3_DIMS, TINY_DIMS], ids=["k3", "tiny"])
 @pytest.mark.parametrize("A", [16, 2])
 @pytest.mark.parametrize("N", [1, 16, 257])
-def test_triton_mxfp4_matches_reference_gpu(N, A, dims, record_property, monkeypatch):
-    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "triton")  # Humming, where installed, would take K3's widths
+def test_triton_mxfp4_matches_reference_gpu(N, A, dims, record_property, monkeypatch, set_moe):
+    set_moe("triton")  # Humming, where installed, would take K3's widths
     z, idx, tw, packed, scales = _gpu_case(N, A, dims, seed=N + A)
     with use_backend("torch"):
         ref = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kimik3.ops import moe
-from kimik3.ops.backend import use_backend
+from kimik3.ops.backend import moe_backend, moe_backend_from_env, use_backend
 from kimik3.ops.moe import reference
 from kimik3.ops.mxfp4 import decode
 from tests.helpers import patch_interpreter_index, rel_err, requires_cuda
@@ -33,19 +33,20 @@ def _interpreter_loops(monkeypatch):
         patch_interpreter_index(monkeypatch)
 
 
-def test_backend_choice_cpu(monkeypatch):
+def test_backend_choice_cpu(monkeypatch, set_moe):
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(4, 64, generator=gen).bfloat16()
     idx, tw = routing(4, 2, 3, gen)
     packed, scales = mx_experts(3, 64, 96, gen)
     monkeypatch.delenv("KIMIK3_MOE_BACKEND", raising=False)
+    assert moe_backend() == moe_backend_from_env() == "auto"  # the default
     assert moe.mxfp4_backend(z, packed) == "triton"
-    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "triton")
+    set_moe("triton")
     assert moe.mxfp4_backend(z, packed) == "triton"
-    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "auto")  # Humming where it can run: not on a CPU tensor
+    set_moe("auto")  # Humming where it can run: not on a CPU tensor
     assert moe.mxfp4_backend(z, packed) == "triton"
     assert moe.experts_backend(z.device, torch.bfloat16, 3584, 3072) == "triton"
-    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")
+    set_moe("humming")
     with pytest.raises(ValueError, match="KIMIK3_MOE_BACKEND=humming"):
         moe.mxfp4_backend(z, packed)
     with pytest.raises(ValueError, match="KIMIK3_MOE_BACKEND=humming"):
@@ -53,9 +54,12 @@ def test_backend_choice_cpu(monkeypatch):
     # the choice is made on the fast path only: a CPU call takes the reference whatever is forced
     out = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
     assert torch.equal(out, reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA))
-    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="one of"):
-        moe.mxfp4_backend(z, packed)
+    with pytest.raises(ValueError, match="moe backend must be one of"):
+        with use_backend(moe="cuda"):
+            pass
+    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "cuda")  # the CLI's one read of the variable checks it
+    with pytest.raises(ValueError, match="KIMIK3_MOE_BACKEND must be one of"):
+        moe_backend_from_env()
 
 
 @needs_triton
@@ -176,14 +180,14 @@ def _gpu_case(N, A, E, seed):
 @requires_cuda
 @needs_humming
 @pytest.mark.parametrize("N", [16, 256, 1024])
-def test_humming_matches_reference_gpu(N, monkeypatch, record_property):
+def test_humming_matches_reference_gpu(N, monkeypatch, record_property, set_moe):
     z, idx, tw, packed, scales = _gpu_case(N, 16, K3_DIMS["E"], seed=N)
-    monkeypatch.delenv("KIMIK3_MOE_BACKEND", raising=False)
+    set_moe("auto")
     # stored bytes run Triton unless humming is forced (a second copy of the weights); auto (the default) gives
     # Humming the experts that `relayout_experts` re-lays out
     assert moe.mxfp4_backend(z, packed) == "triton"
     assert moe.experts_backend(z.device, z.dtype, z.shape[1], packed[0].shape[1]) == "humming"
-    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")
+    set_moe("humming")
     assert moe.mxfp4_backend(z, packed) == "humming"
     with use_backend("torch"):
         ref = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
@@ -194,9 +198,9 @@ def test_humming_matches_reference_gpu(N, monkeypatch, record_property):
     print(f"mxfp4 humming N={N} A=16 {K3_DIMS}: rel err {err:.2e}")
     assert out.dtype == torch.bfloat16 and err < 1e-2
     # forced, the same kernels; forced triton, ours (the two agree to bf16 level)
-    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")
+    set_moe("humming")
     assert torch.equal(moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA), out)
-    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "triton")
+    set_moe("triton")
     assert rel_err(moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA), ref) < 1e-2
 
 
@@ -256,24 +260,26 @@ def test_humming_relayout_once_and_again_after_an_update_gpu():
 
 def _packed_moe(cfg, dtype, seed, device="cpu"):
     """A LatentMoE of `cfg` with random weights and its experts MXFP4-packed."""
-    from kimik3.model.moe import LatentMoE, pack_experts
+    from kimik3.model.moe import LatentMoE
+    from kimik3.quant import pack_experts
     from tests.helpers import randomize
 
     return pack_experts(randomize(LatentMoE(cfg, dtype), seed=seed).to(device)).eval()
 
 
-def test_relayout_experts_leaves_what_humming_cannot_run(tiny_config, monkeypatch):
-    """On the CPU (or with KIMIK3_MOE_BACKEND=triton) nothing is re-laid out; forced humming says why it cannot."""
-    from kimik3.model.moe import MXFP4Experts, relayout_experts
+def test_relayout_experts_leaves_what_humming_cannot_run(tiny_config, monkeypatch, set_moe):
+    """On the CPU (or with the MoE backend triton) nothing is re-laid out; forced humming says why it cannot."""
+    from kimik3.model.moe import MXFP4Experts
+    from kimik3.quant import relayout_experts
 
     m = _packed_moe(tiny_config.text, torch.bfloat16, seed=3)
     # nothing to hand over imports nothing: the Humming module imports triton, which a CPU install may lack
     monkeypatch.setitem(sys.modules, "kimik3.ops.moe.humming", None)  # importing it now raises ImportError
     for choice in ("auto", "triton"):
-        monkeypatch.setenv("KIMIK3_MOE_BACKEND", choice)
+        set_moe(choice)
         assert relayout_experts(m) == 0 and isinstance(m.experts, MXFP4Experts)
-    monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")
-    with pytest.raises(ValueError, match="KIMIK3_MOE_BACKEND=humming: Humming's MoE GEMM"):
+    set_moe("humming")
+    with pytest.raises(ValueError, match=r"KIMIK3_MOE_BACKEND=humming\): Humming's MoE GEMM"):
         relayout_experts(m)
 
 
@@ -281,15 +287,16 @@ def test_relayout_experts_leaves_what_humming_cannot_run(tiny_config, monkeypatc
 def test_relayout_experts_one_copy_emulated(tiny_config, monkeypatch):
     """`relayout_experts` with Humming's re-layout and GEMM emulated in torch: the stored codes are gone (one copy),
     the layer computes what it did, saving it and running it where Humming cannot both raise and say why."""
-    from kimik3.model.moe import MXFP4Experts, RelaidExperts, relayout_experts
+    from kimik3.model.moe import MXFP4Experts, RelaidExperts
     from kimik3.ops.moe import humming
+    from kimik3.quant import relayout_experts
 
     cfg = tiny_config.text
     m = _packed_moe(cfg, torch.bfloat16, seed=4)
     x = torch.randn(5, cfg.hidden_size).bfloat16()
     before = m(x)
     stored = m.experts
-    monkeypatch.setattr("kimik3.model.moe.experts_backend", lambda device, dtype, L, F: "humming")
+    monkeypatch.setattr("kimik3.quant.experts_backend", lambda device, dtype, L, F: "humming")
 
     def emulated_relayout(packed, scales):
         w1, w3, w2 = (decode(p, s, torch.bfloat16) for p, s in zip(packed, scales))
@@ -317,14 +324,15 @@ def test_relayout_experts_one_copy_emulated(tiny_config, monkeypatch):
 @gpu
 @requires_cuda
 @needs_humming
-def test_relayout_experts_gpu(k3_config, monkeypatch):
+def test_relayout_experts_gpu(k3_config, monkeypatch, set_moe):
     """A K3-width MoE layer (32 experts) re-laid out in place: expert memory does not grow, the output equals the
     two-copy Humming path bit for bit and the reference to bf16 level."""
     import dataclasses
 
-    from kimik3.model.moe import RelaidExperts, relayout_experts
+    from kimik3.model.moe import RelaidExperts
+    from kimik3.quant import relayout_experts
 
-    monkeypatch.delenv("KIMIK3_MOE_BACKEND", raising=False)
+    set_moe("auto")
     text = k3_config.text
     cfg = dataclasses.replace(text, moe=dataclasses.replace(text.moe, num_experts=K3_DIMS["E"]))
     m = _packed_moe(cfg, torch.bfloat16, seed=11, device="cuda")
@@ -332,9 +340,9 @@ def test_relayout_experts_gpu(k3_config, monkeypatch):
     with torch.no_grad():
         with use_backend("torch"):
             ref = m(x)
-        monkeypatch.setenv("KIMIK3_MOE_BACKEND", "humming")  # the two-copy path on the stored bytes
+        set_moe("humming")  # the two-copy path on the stored bytes
         two_copies = m(x)
-        monkeypatch.delenv("KIMIK3_MOE_BACKEND")
+        set_moe("auto")
         for t in m.experts.buffers():
             if hasattr(t, "_kimik3_humming"):
                 del t._kimik3_humming

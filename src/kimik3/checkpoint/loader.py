@@ -49,8 +49,8 @@ from kimik3.checkpoint.safetensors_header import TensorEntry
 from kimik3.checkpoint.sharded import ExpertShard, slice_experts
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
-from kimik3.model.moe import pack_experts
 from kimik3.ops.mxfp4 import decode, encode
+from kimik3.quant import pack_experts
 
 
 def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",

@@ -94,6 +94,10 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
     """
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
+    adapter = next((n for n, _ in model.named_parameters() if ".lora_" in n or "_lora_" in n), None)
+    if adapter is not None:  # the released layout has no place for it: it would be dropped without a word
+        raise ValueError(f"the model carries a LoRA adapter ({adapter}): write it with kimik3.lora.save, or merge it "
+                         "into the weights first (kimik3.lora.merge / kimik3 lora merge)")
     limit = parse_size(max_shard_size)
     cfg = _config_of(model, config)
     dtype = parse_dtype(dtype) or stored_dtype(cfg)

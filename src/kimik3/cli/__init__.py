@@ -2,7 +2,8 @@
 
 A subcommand is a module with `add_parser(sub)` (which sets `run=`): list it in COMMANDS. Errors a user can
 cause (ValueError, OSError such as FileNotFoundError) print one line and exit 2; Ctrl-C exits 130 and a
-closed output pipe 141 (the shell's codes for SIGINT and SIGPIPE), both without a traceback.
+closed output pipe 141 (the shell's codes for SIGINT and SIGPIPE), both without a traceback. Every command runs
+under the MoE backend KIMIK3_MOE_BACKEND names (`kimik3.ops.backend.use_backend(moe=...)`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import os
 import sys
 import warnings
 
-from kimik3.cli import atlas, chat, convert, eval, generate, inspect, memory, params, serve, train
+from kimik3.cli import atlas, chat, convert, eval, generate, inspect, lora, memory, params, serve, train
 
 # in the order `kimik3 --help` lists them
-COMMANDS = (params, memory, inspect, convert, generate, chat, train, atlas, serve, eval)
+COMMANDS = (params, memory, inspect, convert, generate, chat, train, lora, atlas, serve, eval)
 
 EXIT_USAGE, EXIT_SIGINT, EXIT_SIGPIPE = 2, 130, 141
 
@@ -36,8 +37,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    from kimik3.ops.backend import moe_backend_from_env, use_backend
+
     try:
-        return args.run(args) or 0
+        # KIMIK3_MOE_BACKEND is read here, once, before anything loads; the ops read the context variable
+        with use_backend(moe=moe_backend_from_env()):
+            return args.run(args) or 0
     except KeyboardInterrupt:
         _quiet_stdout()
         print(file=sys.stderr)  # the shell's prompt starts on a line of its own after the ^C

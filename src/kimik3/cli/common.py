@@ -25,6 +25,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: 1 for models under 100M parameters, else torch's; OMP_NUM_THREADS "
                         "is respected)")
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="a LoRA adapter folder (adapter_config.json + adapter_model.safetensors, e.g. a training "
+                        "run's checkpoints/step-*/adapter) put on the model; its routed experts stay MXFP4")
 
 
 # sampling flags left unset take the model's generation_config.json value (Hugging Face keys), else the
@@ -151,25 +154,35 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
     import kimik3
     from kimik3.config import K3Config
     from kimik3.inference.threads import pick_cpu_threads
-    from kimik3.model.moe import relayout_experts
-    from kimik3.ops.moe import backend_choice
+    from kimik3.quant import relayout_experts
     from kimik3.tokenizer import Tokenizer
 
     path = model_path(args)
     cfg = K3Config.from_file(path / "config.json")
     check_request(args, cfg, images=bool(vision))
     sampling_params(args)  # bad sampling values fail before the (long) load
-    backend_choice()  # and a misspelt KIMIK3_MOE_BACKEND
     tokenizer = _tokenizer(Tokenizer, path)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     # None with images too: a config with a vision_config over shards without its tensors loads as text
     # (the usual shape of text-only test checkpoints), and the check below says so
     text_only = True if vision is False else None
+    lora = getattr(args, "lora", None)
+    if lora is not None:
+        from kimik3.lora import read_config
+
+        read_config(lora)  # a wrong --lora fails before the (long) load
+        if getattr(args, "parallel", None):
+            raise ValueError("--lora with --parallel is not supported yet: merge the adapter first (kimik3 lora merge)")
     if getattr(args, "parallel", None):
         return _load_parallel(args, path, dtype, device, text_only), tokenizer, path
-    model = kimik3.load(path, dtype=dtype, device=device, text_only=text_only).eval()
-    relayout_experts(model)  # Humming's kernels where KIMIK3_MOE_BACKEND (auto) picks them: one copy, inference only
+    model = kimik3.load(path, dtype=dtype, device=device, text_only=text_only, keep_experts_packed=lora is not None)
+    if lora is not None:
+        from kimik3.lora import load as load_adapter
+
+        load_adapter(model, lora)
+    model = model.eval()
+    relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
     if vision and not model.has_vision:
         raise ValueError(f"--image: the checkpoint at {path} holds no vision tower tensors (vision_tower.*): "
                          "it reads text only")

@@ -3,6 +3,7 @@ an OpenAI-compatible HTTP server (needs the `serve` extra)."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -65,7 +66,7 @@ def build_engine(args, path, config=None):
     from kimik3.cli.common import end_ids
     from kimik3.inference.engine import Engine
     from kimik3.inference.threads import pick_cpu_threads
-    from kimik3.model.moe import relayout_experts
+    from kimik3.quant import relayout_experts
     from kimik3.tokenizer import Tokenizer
 
     config = config or check_args(args, path)
@@ -74,7 +75,7 @@ def build_engine(args, path, config=None):
     tokenizer = Tokenizer.from_file(path)
     model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True).eval()
     pick_cpu_threads(model, device, args.threads)
-    relayout_experts(model)  # Humming's kernels where KIMIK3_MOE_BACKEND (auto) picks them: one copy, inference only
+    relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
     log = logging.getLogger("kimik3.serve")
     if config.warmup:
         log.info("warming up: every prefill shape up to %d tokens and the decode graphs", config.max_num_batched_tokens)
@@ -107,12 +108,10 @@ def run(args) -> int:
         raise ValueError(f"kimik3 serve needs the serve extra (pip install 'kimik3[serve]'): {e}") from None
     from kimik3.checkpoint.hub import is_hub_id
     from kimik3.cli.common import model_path
-    from kimik3.ops.moe import backend_choice
 
     path = model_path(args)
     config = check_args(args, path)
     _check_address(args.host, args.port)
-    backend_choice()  # a misspelt KIMIK3_MOE_BACKEND fails before the (long) load, not in its thread
     # our own loggers at the asked level; torch's and other libraries' stay at warnings
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kimik3").setLevel(args.log_level.upper())
@@ -134,7 +133,8 @@ def run(args) -> int:
             uv.should_exit = True
 
     uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    loader = threading.Thread(target=load, name="kimik3-load", daemon=True)
+    # a thread starts with a fresh context: run it in a copy of ours, so it keeps the command's MoE backend
+    loader = threading.Thread(target=contextvars.copy_context().run, args=(load,), name="kimik3-load", daemon=True)
     loader.start()
     try:
         uv.run()

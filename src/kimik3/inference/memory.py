@@ -9,7 +9,7 @@ import torch
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.cache import state_bytes
-from kimik3.model.moe import pack_experts
+from kimik3.quant import pack_experts
 
 
 @dataclass

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from kimik3.config import TextConfig
 from kimik3.model.mlp import MLP
 from kimik3.model.norm import RMSNorm
-from kimik3.ops.moe import backend_choice, experts_backend, routed_experts, routed_experts_mxfp4, routed_experts_relaid
-from kimik3.ops.mxfp4 import encode, packed_shapes
+from kimik3.ops.moe import routed_experts, routed_experts_mxfp4, routed_experts_relaid
+from kimik3.ops.mxfp4 import packed_shapes
 from kimik3.ops.router import route, router_logits
 
 
@@ -63,7 +63,7 @@ class MXFP4Experts(nn.Module):
     """The routed experts kept MXFP4-packed in memory (W4A16): `w{1,3,2}_packed` uint8 [E, out, in/2] and
     `w{1,3,2}_scale` uint8 E8M0 [E, out, in/32], buffers (packed weights are not trained).
 
-    Same math as `Experts` on the exactly dequantized weights; built by `pack_experts`.
+    Same math as `Experts` on the exactly dequantized weights; built by `kimik3.quant.pack_experts`.
     """
 
     def __init__(self, num_experts: int, latent: int, width: int):
@@ -81,7 +81,8 @@ class MXFP4Experts(nn.Module):
 
 class RelaidExperts(nn.Module):
     """The routed experts in Humming's MoE GEMM layout (`kimik3.ops.moe.humming.Relaid`), built by
-    `relayout_experts` from an `MXFP4Experts` whose stored codes it replaces: inference only, bf16 on Hopper.
+    `kimik3.quant.relayout_experts` from an `MXFP4Experts` whose stored codes it replaces: inference only, bf16
+    on Hopper.
 
     Not a checkpoint layout (Humming has no inverse transform): saving it raises instead of writing something
     `kimik3.load` could not read.
@@ -124,52 +125,3 @@ class LatentMoE(nn.Module):
             r_NL = self.routed_expert_norm(r_NL)
         out_ND = self.routed_expert_up_proj(r_NL) + self.shared_experts(x_ND)
         return out_ND.view(x.shape)
-
-
-@torch.no_grad()
-def pack_experts(model: nn.Module) -> nn.Module:
-    """Replace every `Experts` in `model` by `MXFP4Experts` (in place; returns `model`).
-
-    Real weights are encoded with the OCP MX rule (exact for weights that came from MXFP4); on the meta
-    device only the structure changes (the loader then fills the packed buffers).
-    """
-    for moe in [m for m in model.modules() if isinstance(m, LatentMoE)]:
-        old = moe.experts
-        if not isinstance(old, Experts):
-            continue
-        E, F, L = old.w1.shape
-        new = MXFP4Experts(E, L, F).to(old.w1.device)
-        if old.w1.device.type != "meta":
-            for name in ("w1", "w3", "w2"):
-                p, s = encode(getattr(old, name))
-                getattr(new, f"{name}_packed").copy_(p)
-                getattr(new, f"{name}_scale").copy_(s)
-        moe.experts = new
-    return model
-
-
-@torch.no_grad()
-def relayout_experts(model: nn.Module) -> int:
-    """Re-lay out every `MXFP4Experts` of `model` for Humming's MoE GEMM where `kimik3.ops.moe.experts_backend`
-    picks it (KIMIK3_MOE_BACKEND, auto by default: bf16 experts at K3's widths on a Hopper GPU with
-    humming-kernels installed), in place, one layer at a time: the stored codes are dropped, so the experts stay
-    one copy (plus one layer's while it is made). Returns how many layers were re-laid out.
-
-    For inference: afterwards the model cannot be saved, trained, or run off that GPU (each says so).
-    """
-    backend_choice()  # a misspelt KIMIK3_MOE_BACKEND is an error even where there is nothing to re-lay out
-    done = 0
-    for moe in [m for m in model.modules() if isinstance(m, LatentMoE)]:
-        ex = moe.experts
-        if not isinstance(ex, MXFP4Experts):
-            continue
-        _, F, L_half = ex.w1_packed.shape
-        dtype = moe.routed_expert_down_proj.weight.dtype
-        if experts_backend(ex.w1_packed.device, dtype, 2 * L_half, F) != "humming":
-            continue
-        from kimik3.ops.moe import humming  # only now: it imports triton, which a CPU install may lack
-        relaid = humming.relayout((ex.w1_packed, ex.w3_packed, ex.w2_packed), (ex.w1_scale, ex.w3_scale, ex.w2_scale))
-        moe.experts = RelaidExperts(relaid)  # the last reference to the stored codes: freed here
-        del ex
-        done += 1
-    return done

@@ -19,13 +19,17 @@ from kimik3.train.checkpointing import check_same_model
 from kimik3.train.config import ModelSection
 
 
-def _load_lm(path: Path, device: torch.device) -> tuple[K3Config, K3ForCausalLM]:
-    model = load(path, dtype=torch.float32, device=device, text_only=True, quiet=True)
+def _load_lm(path: Path, device: torch.device, packed: bool = False) -> tuple[K3Config, K3ForCausalLM]:
+    model = load(path, dtype=torch.float32, device=device, text_only=True, keep_experts_packed=packed, quiet=True)
     return model.config, model.language_model
 
 
-def build_model(section: ModelSection, resume: Path | None, device: torch.device) -> tuple[K3Config, K3ForCausalLM]:
-    """(config to save with, fp32 text model on `device`); `resume` is a step folder or None."""
+def build_model(section: ModelSection, resume: Path | None, device: torch.device, *, frozen_base: bool = False
+                ) -> tuple[K3Config, K3ForCausalLM]:
+    """(config to save with, fp32 text model on `device`); `resume` is a step folder or None.
+
+    frozen_base (a LoRA run): always `model.checkpoint`, its routed experts kept MXFP4-packed; a step folder holds
+    only the adapter, which the trainer loads on top."""
     if section.config is not None:
         wanted, what = load_config(section.config), f"model.config '{resolve_config(section.config)}'"
     else:
@@ -33,6 +37,8 @@ def build_model(section: ModelSection, resume: Path | None, device: torch.device
         if not (source / "config.json").is_file():
             raise FileNotFoundError(f"model.checkpoint: no checkpoint folder (config.json) at '{source}'")
         wanted, what = K3Config.from_file(source), f"model.checkpoint '{source}'"
+        if frozen_base:
+            return _load_lm(source, device, packed=True)
     if resume is not None:
         cfg, lm = _load_lm(resume / "model", device)
         check_same_model(lm.config, wanted.text, f"checkpoint {resume}", what)

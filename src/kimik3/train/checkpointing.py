@@ -6,6 +6,8 @@
                       (`e_score_correction_bias`, the whole balancing state) -- so resume is exact
         trainer.pt    step, optimizer state (keyed by parameter name), RNG states, the run's config
         train.json    the run's config, for people
+    A LoRA run (`[lora]`) writes `adapter/` (kimik3.lora.save: PEFT's adapter_config.json and
+    adapter_model.safetensors) instead of `model/`: the base stays the run's model.checkpoint, untouched.
 
 A folder is written by `kimik3.checkpoint.publish_atomically` as `.step-00000300.partial-<id>` (files and
 folders fsynced), then renamed into place and the parent fsynced; a kill at any moment leaves the previous step
@@ -35,6 +37,7 @@ from kimik3.config import K3Config, TextConfig
 
 _STEP = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer.pt"
+ADAPTER = "adapter"  # a LoRA run's step folder holds this instead of model/
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -108,13 +111,20 @@ def load_named_optimizer_state(model: nn.Module, optimizers: list[torch.optim.Op
 
 
 def save_checkpoint(root: Path, step: int, model_to_save: nn.Module, k3cfg: K3Config, trainer_state: dict,
-                    keep: int, config_json: dict) -> Path:
-    """Write step folder `step` atomically (rank 0 only), then prune to the newest `keep`. Returns its path."""
+                    keep: int, config_json: dict, *, adapter_only: bool = False) -> Path:
+    """Write step folder `step` atomically (rank 0 only), then prune to the newest `keep`. Returns its path.
+    adapter_only: write `model_to_save`'s LoRA adapter (`adapter/`), not its weights."""
     from kimik3.checkpoint import publish_atomically, save
 
     def write(tmp: Path) -> None:
-        save(model_to_save, tmp / "model", experts="bf16", dtype=torch.float32, config=k3cfg,
-             source=_companion_source(config_json), quiet=True)
+        if adapter_only:
+            from kimik3.lora import save as save_adapter
+
+            save_adapter(model_to_save, tmp / ADAPTER, base_name_or_path=(config_json.get("model") or {}).get(
+                "checkpoint"))
+        else:
+            save(model_to_save, tmp / "model", experts="bf16", dtype=torch.float32, config=k3cfg,
+                 source=_companion_source(config_json), quiet=True)
         with open(tmp / TRAINER_STATE, "wb") as f:
             torch.save(trainer_state, f)
             f.flush()

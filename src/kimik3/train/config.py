@@ -96,6 +96,17 @@ class LogSection:
 
 
 @dataclass(frozen=True)
+class LoraSection:
+    """[lora]: train a LoRA adapter on the frozen `model.checkpoint` (kimik3.lora.LoraConfig checks the values)."""
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["*.self_attn.*_proj", "*.block_sparse_moe.experts"])
+    experts: str = "per_expert"  # "per_expert", "shared_a", "shared_outer" or "shared"
+    rank_scaling: bool = False  # routed experts' rank = rank // top_k
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     out_dir: str
     model: ModelSection = ModelSection()
@@ -106,11 +117,14 @@ class TrainConfig:
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
+    lora: LoraSection | None = None  # absent: full training
     source: str = field(default="<dict>", compare=False)
 
     def to_dict(self) -> dict:
-        return {f.name: (getattr(self, f.name) if f.name == "out_dir" else vars(getattr(self, f.name)))
-                for f in fields(self) if f.name != "source"}
+        def plain(value):
+            return value if value is None or isinstance(value, str) else vars(value)
+
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
 
 
 CHOICES = {"train.precision": ("fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
@@ -154,6 +168,12 @@ def _typed(value: Any, hint: Any, key: str, where: str) -> Any:
     return value
 
 
+def _unoptional(hint: Any) -> Any:
+    """X for `X | None` (an optional section such as [lora]), else the hint itself."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
 def _section(cls: type, raw: Any, name: str, where: str) -> Any:
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: '{name}' must be a table ([{name}]), got {type(raw).__name__}")
@@ -188,6 +208,18 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
         raise ValueError(f"{where}: 'optim.betas' must be two numbers in [0, 1), got {cfg.optim.betas}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1 or not 0 < cfg.optim.decay_fraction <= 1:
         raise ValueError(f"{where}: 'optim.min_lr_ratio' must be in [0, 1] and 'optim.decay_fraction' in (0, 1]")
+    if cfg.lora is not None:
+        from kimik3.lora.config import LoraConfig
+
+        try:
+            LoraConfig(**vars(cfg.lora))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if cfg.model.checkpoint is None:
+            raise ValueError(f"{where}: [lora] trains an adapter on a frozen base: set 'model.checkpoint' (not "
+                             "'model.config')")
+        if cfg.train.expert_parallel:
+            raise ValueError(f"{where}: [lora] does not run with 'train.expert_parallel' yet")
     if not 0 <= cfg.balancing.ema < 1:
         raise ValueError(f"{where}: 'balancing.ema' must be in [0, 1), got {cfg.balancing.ema}")
 
@@ -204,7 +236,7 @@ def from_dict(raw: dict, where: str = "<dict>") -> TrainConfig:
         raise ValueError(f"{where}: 'out_dir' is required (the run's folder: checkpoints, metrics.jsonl)")
     out_dir = _typed(raw["out_dir"], str, "out_dir", where)
     hints = typing.get_type_hints(TrainConfig)
-    parts = {name: _section(hints[name], raw[name], name, where) for name in sections if name in raw}
+    parts = {name: _section(_unoptional(hints[name]), raw[name], name, where) for name in sections if name in raw}
     cfg = TrainConfig(out_dir=out_dir, source=where, **parts)
     _check_values(cfg, where)
     return cfg

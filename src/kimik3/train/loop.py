@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kimik3 import lora
 from kimik3.distributed import all_reduce, barrier, init_distributed, parallelize
 from kimik3.distributed.expert_checkpoint import gather_experts, shard_expert_optimizer_state
 from kimik3.model import K3ForCausalLM
@@ -64,9 +65,12 @@ class Trainer:
         torch.manual_seed(t.seed)
         random.seed(t.seed)
         np.random.seed(t.seed)
-        self.k3cfg, self.lm = build_model(cfg.model, resume, self.env.device)
-        self.balancer = Balancer(self.lm, cfg.balancing.method, cfg.balancing.bins, cfg.balancing.ema,
-                                 cfg.balancing.sign_gamma)
+        self.k3cfg, self.lm = build_model(cfg.model, resume, self.env.device, frozen_base=cfg.lora is not None)
+        if cfg.lora is not None:
+            self._apply_lora()
+        # a LoRA run keeps the router's correction bias frozen with the rest of the base: statistics only
+        method = "frozen" if cfg.lora is not None else cfg.balancing.method
+        self.balancer = Balancer(self.lm, method, cfg.balancing.bins, cfg.balancing.ema, cfg.balancing.sign_gamma)
         self.model = CausalLMLoss(self.lm, t.loss_chunk_tokens)
         if t.precision == "bf16":
             keep_routers_fp32(self.model)
@@ -92,6 +96,14 @@ class Trainer:
         self.peak = peak_flops(self.env.device, cfg.log.peak_tflops)
         self._stop = False
 
+    def _apply_lora(self) -> None:
+        """Freeze the base and put the [lora] adapter on it; print its size (before step 1)."""
+        if self.env.world_size > 1:
+            raise ValueError("[lora]: adapter training runs in one process for now (launch without torchrun)")
+        lora.apply(self.lm, lora.LoraConfig(**vars(self.cfg.lora)))
+        if self.env.is_main:
+            print(lora.format_adapter_size(self.lm), flush=True)
+
     def _resume_path(self) -> Path | None:
         mode = self.cfg.checkpoint.resume
         if self.env.is_main:
@@ -116,6 +128,8 @@ class Trainer:
         state = ckpt.load_trainer_state(path)
         old, new = state["config"], self.cfg.to_dict()
         changed = [key for key in RESUME_KEYS if _dotted(old, key) != _dotted(new, key)]
+        if old.get("lora") != new.get("lora"):
+            changed.append("[lora] settings")
         if state["rows_per_step"] != self.rows_per_step:
             changed.append(f"rows per step (ranks x grad_accum x micro_batch_rows: {state['rows_per_step']} -> "
                            f"{self.rows_per_step})")
@@ -125,6 +139,8 @@ class Trainer:
                              f"continue that run. To start over, run in another folder: --set out_dir={fresh}. To "
                              "start from its weights instead, also replace model.config in the run config with "
                              f"model.checkpoint = \"{path / 'model'}\"")
+        if self.cfg.lora is not None:
+            lora.load_weights(self.lm, path / ckpt.ADAPTER)
         if self.env.world_size == 1:
             ckpt.load_named_optimizer_state(self.model, self.optim.optimizers, state["optimizer"])
         else:
@@ -167,7 +183,8 @@ class Trainer:
                      "config": self.cfg.to_dict(), "rows_per_step": self.rows_per_step,
                      "world_size": self.env.world_size}
             path = ckpt.save_checkpoint(self.root, self.step, model_to_save, self.k3cfg, state,
-                                        self.cfg.checkpoint.keep, self.cfg.to_dict())
+                                        self.cfg.checkpoint.keep, self.cfg.to_dict(),
+                                        adapter_only=self.cfg.lora is not None)
         barrier()
         return path
 

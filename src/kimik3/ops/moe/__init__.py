@@ -12,9 +12,9 @@ The W4A16 backend, imported on first use:
              4096 tokens against Triton's 1.79 / 6.99 / 25.78, faster at every size measured.
     triton   our Triton kernels (`.triton_mxfp4`): for fp16, other GPUs, other widths, and stored bytes.
 Humming wants its own weight layout. `routed_experts_relaid` runs experts already re-laid out (one copy:
-`kimik3.model.moe.relayout_experts` does this to a model for inference, where `experts_backend` picks humming).
+`kimik3.quant.relayout_experts` does this to a model for inference, where `experts_backend` picks humming).
 `routed_experts_mxfp4` on the stored bytes runs Triton, or Humming on a second copy kept beside them when forced.
-The environment variable KIMIK3_MOE_BACKEND picks:
+`kimik3.ops.backend.use_backend(moe=...)` picks (the CLI sets it once from KIMIK3_MOE_BACKEND):
     auto     (default) re-laid-out experts where Humming can run; stored bytes run Triton (no second copy)
     humming  as auto, and `routed_experts_mxfp4` on stored bytes runs Humming on a second copy; where Humming
              cannot run it is an error that says why, not a silent fallback
@@ -24,13 +24,12 @@ The environment variable KIMIK3_MOE_BACKEND picks:
 from __future__ import annotations
 
 import importlib.util
-import os
 from functools import cache
 
 import torch
 from torch import Tensor
 
-from kimik3.ops.backend import has_triton, use_fast
+from kimik3.ops.backend import MOE_BACKENDS, has_triton, moe_backend, use_fast
 from kimik3.ops.moe import reference
 
 
@@ -79,6 +78,25 @@ def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packe
     return reference.routed_experts_mxfp4(z, topk_idx, topk_weight, packed, scales, beta, linear_beta)
 
 
+
+def routed_experts_mxfp4_lora(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: tuple[Tensor, Tensor, Tensor],
+                              scales: tuple[Tensor, Tensor, Tensor], lora_a: tuple[Tensor, Tensor, Tensor],
+                              lora_b: tuple[Tensor, Tensor, Tensor], scale: float, beta: float,
+                              linear_beta: float) -> Tensor:
+    """`routed_experts_mxfp4` with LoRA factors on every expert's w1, w3, w2 over the frozen packed weights
+    (`.lora`: the per-expert loop on every device for now): forward, and backward for z and the factors only.
+
+    Args:
+        lora_a: (A1 [E', R, L], A3 [E', R, L], A2 [E', R, F]); lora_b: (B1 [E', F, R], B3 [E', F, R],
+            B2 [E', L, R]); E' is E (per expert) or 1 (shared by the layer's experts).
+        scale: the LoRA scale (alpha / R).
+        other arguments: as `routed_experts_mxfp4`.
+    """
+    from kimik3.ops.moe import lora
+
+    return lora.routed_experts_mxfp4_lora(z, topk_idx, topk_weight, packed, scales, lora_a, lora_b, scale, beta,
+                                          linear_beta)
+
 def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, relaid, beta: float,
                           linear_beta: float) -> Tensor:
     """`routed_experts_mxfp4` on experts in Humming's layout (`humming.relayout` of the packed codes and scales):
@@ -94,11 +112,12 @@ def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, rela
         why = "is inference only (a gradient was asked for)"
     if why is not None:
         raise ValueError(f"experts re-laid out for Humming: its MoE GEMM {why}; load the model again without "
-                         "relayout_experts (or with KIMIK3_MOE_BACKEND=triton) to run them elsewhere")
+                         "relayout_experts (or with use_backend(moe='triton'), KIMIK3_MOE_BACKEND=triton) to run "
+                         "them elsewhere")
     return humming.routed_experts_relaid(z, topk_idx, topk_weight, relaid, beta, linear_beta)
 
 
-MXFP4_BACKENDS = ("auto", "triton", "humming")
+MXFP4_BACKENDS = MOE_BACKENDS
 
 
 @cache
@@ -113,22 +132,14 @@ def has_humming() -> bool:
     return True
 
 
-def backend_choice() -> str:
-    """KIMIK3_MOE_BACKEND, checked: one of MXFP4_BACKENDS ("auto" when unset); ValueError otherwise."""
-    choice = os.environ.get("KIMIK3_MOE_BACKEND", "auto")
-    if choice not in MXFP4_BACKENDS:
-        raise ValueError(f"KIMIK3_MOE_BACKEND must be one of {MXFP4_BACKENDS}, got {choice!r}")
-    return choice
-
-
 def experts_backend(device: torch.device, dtype: torch.dtype, L: int, F: int) -> str:
     """"humming" or "triton": how experts of latent width L and expert width F, run in `dtype` on `device`, should
     be held for inference (humming: re-laid out once, `relayout_experts`).
 
     Raises:
-        ValueError: KIMIK3_MOE_BACKEND is not one of MXFP4_BACKENDS, or it forces humming where Humming cannot run.
+        ValueError: the MoE backend (`use_backend(moe=...)`) forces humming where Humming cannot run.
     """
-    choice = backend_choice()
+    choice = moe_backend()
     if choice == "triton":
         return "triton"
     if not has_humming():
@@ -140,17 +151,17 @@ def experts_backend(device: torch.device, dtype: torch.dtype, L: int, F: int) ->
     if why is None:
         return "humming"
     if choice == "humming":
-        raise ValueError(f"KIMIK3_MOE_BACKEND=humming: Humming's MoE GEMM {why}")
+        raise ValueError(f"moe backend 'humming' (KIMIK3_MOE_BACKEND=humming): Humming's MoE GEMM {why}")
     return "triton"
 
 
 def mxfp4_backend(z: Tensor, packed: tuple[Tensor, Tensor, Tensor]) -> str:
     """"humming" or "triton": the W4A16 kernels `routed_experts_mxfp4` runs on stored bytes for these inputs on its
-    fast path: humming only where KIMIK3_MOE_BACKEND=humming (it keeps a second copy of the weights).
+    fast path: humming only where the MoE backend is "humming" (it keeps a second copy of the weights).
 
     Raises:
-        ValueError: KIMIK3_MOE_BACKEND is not one of MXFP4_BACKENDS, or it forces humming where Humming cannot run.
+        ValueError: the MoE backend forces humming where Humming cannot run.
     """
-    if backend_choice() != "humming":
+    if moe_backend() != "humming":
         return "triton"
     return experts_backend(z.device, z.dtype, z.shape[1], packed[0].shape[1])

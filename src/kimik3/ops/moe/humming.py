@@ -19,7 +19,7 @@ Humming has no activation epilogue, so h makes one round trip through memory (M*
 Humming wants its own weight layout (`relayout`: `humming.transform`, a copy as large as the packed experts).
 Two ways to hold it:
     one copy   `relayout` once, drop the stored bytes, call `routed_experts_relaid` (what
-               `kimik3.model.moe.relayout_experts` does to a model for inference: expert memory unchanged).
+               `kimik3.quant.relayout_experts` does to a model for inference: expert memory unchanged).
     two copies `routed_experts_mxfp4` on the stored bytes re-lays out on its first call and keeps the result on
                the w1 packed tensor, keyed by the six tensors' storage and version counters (`_prepared`): a
                module's buffers pay once, an in-place update (`copy_` by the loader) re-lays out on the next call.

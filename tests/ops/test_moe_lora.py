@@ -1,0 +1,104 @@
+"""The LoRA routed-experts op over frozen MXFP4 experts: forward and gradients against dense autograd.
+
+The oracle is `reference.routed_experts` on the merged dense weights W + s B A with autograd, fp32: dz and the
+factors' gradients must agree to fp32 rounding (design.md section 3); with B = 0 the op is the packed reference
+bit for bit. The base gets no gradient and no dense copy of an expert's weight is saved for backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimik3.ops.moe import reference, routed_experts_mxfp4_lora
+from kimik3.ops.moe.lora import packed_linear
+from kimik3.ops.mxfp4 import decode
+from tests.helpers import rel_err
+from tests.ops.test_moe_fast import mx_experts, routing
+
+BETA, LINEAR_BETA = 4.0, 25.0
+N, A, E, L, F, R = 20, 3, 5, 64, 96, 4
+
+
+def _factors(shared: dict[str, tuple[bool, bool]], gen, zero_b: bool = False):
+    dims = {"w1": (F, L), "w3": (F, L), "w2": (L, F)}
+    a, b = [], []
+    for name, (out, inp) in dims.items():
+        sa, sb = shared[name]
+        a.append((torch.randn(1 if sa else E, R, inp, generator=gen) / inp ** 0.5).requires_grad_())
+        bt = torch.zeros(1 if sb else E, out, R) if zero_b else torch.randn(1 if sb else E, out, R, generator=gen) * 0.1
+        b.append(bt.requires_grad_())
+    return tuple(a), tuple(b)
+
+
+LAYOUTS = {"per_expert": dict.fromkeys(("w1", "w3", "w2"), (False, False)),
+           "shared_outer": {"w1": (True, False), "w3": (True, False), "w2": (False, True)},
+           "shared": dict.fromkeys(("w1", "w3", "w2"), (True, True))}
+
+
+def test_packed_linear_dx_matches_dense_autograd():
+    gen = torch.Generator().manual_seed(0)
+    packed, scales = mx_experts(1, L, F, gen)
+    p, s = packed[0][0], scales[0][0]  # one expert's w1 [F, L]
+    x = torch.randn(7, L, generator=gen, requires_grad=True)
+    dy = torch.randn(7, F, generator=gen)
+    y = packed_linear(x, p, s)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    w = decode(p, s, torch.float32).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    y2 = x2 @ w.T
+    dx2, dw = torch.autograd.grad(y2, (x2, w), dy)
+    assert torch.equal(y, y2)
+    assert rel_err(dx, dx2) < 1e-5 and dw.abs().sum() > 0  # the dense path would train W; ours has no such output
+
+
+def test_zero_b_is_the_packed_reference_bit_for_bit():
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(N, L, generator=gen)
+    idx, tw = routing(N, A, E, gen)
+    packed, scales = mx_experts(E, L, F, gen)
+    a, b = _factors(LAYOUTS["per_expert"], gen, zero_b=True)
+    out = routed_experts_mxfp4_lora(z, idx, tw, packed, scales, a, b, 2.0, BETA, LINEAR_BETA)
+    assert torch.equal(out, reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_forward_and_gradients_match_dense_autograd(layout):
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(N, L, generator=gen, requires_grad=True)
+    idx, tw = routing(N, A, E, gen)
+    packed, scales = mx_experts(E, L, F, gen)
+    a, b = _factors(LAYOUTS[layout], gen)
+    scale = 1.5
+    dout = torch.randn(N, L, generator=gen)
+    out = routed_experts_mxfp4_lora(z, idx, tw, packed, scales, a, b, scale, BETA, LINEAR_BETA)
+    grads = torch.autograd.grad(out, (z, *a, *b), dout)
+    # the oracle: dense fp32 weights W + s B A, differentiable in z and the factors through plain autograd
+    z2 = z.detach().clone().requires_grad_()
+    a2 = [t.detach().clone().requires_grad_() for t in a]
+    b2 = [t.detach().clone().requires_grad_() for t in b]
+    w = [decode(p, s, torch.float32) + scale * torch.matmul(bb, aa).expand(E, -1, -1)
+         for p, s, aa, bb in zip(packed, scales, a2, b2)]
+    ref = reference.routed_experts(z2, idx, tw, *w, BETA, LINEAR_BETA)
+    ref_grads = torch.autograd.grad(ref, (z2, *a2, *b2), dout)
+    assert rel_err(out, ref) < 1e-5
+    for name, g, r in zip(["z", "A1", "A3", "A2", "B1", "B3", "B2"], grads, ref_grads):
+        assert torch.isfinite(g).all() and rel_err(g, r) < 1e-5, (layout, name, rel_err(g, r))
+
+
+def test_backward_keeps_no_dense_expert_weight():
+    """What autograd saves for backward: activations, the small factors and the uint8 codes, never a float tensor
+    the size of an expert's weight (the packed experts are not copied to bf16/fp32 for the backward)."""
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(N, L, generator=gen, requires_grad=True)
+    idx, tw = routing(N, A, E, gen)
+    packed, scales = mx_experts(E, L, F, gen)
+    a, b = _factors(LAYOUTS["per_expert"], gen)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        out = routed_experts_mxfp4_lora(z, idx, tw, packed, scales, a, b, 1.0, BETA, LINEAR_BETA)
+    dense = [(d, s) for d, s in saved if d.is_floating_point and s[-2:] in ((F, L), (L, F))]
+    assert not dense, dense
+    assert any(d == torch.uint8 for d, _ in saved)  # the codes are what backward decodes again
+    out.sum().backward()
+    assert all(t.grad is None for t in (*packed, *scales))
