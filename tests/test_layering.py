@@ -29,7 +29,8 @@ ALLOWED = {
     "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets"},
     "serve": {"config", "ops", "model", "checkpoint", "inference", "tokenizer", "presets", "vision"},
     "distributed": {"config", "ops", "model", "checkpoint"},
-    "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets"},
+    # train/draft.py trains the speculative drafter of inference/spec (a model that serves inference)
+    "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets", "inference"},
 }
 TOP_LEVEL = ("cli", "__init__", "__main__")  # the faces: may import anything in the package
 FORBIDDEN_EXTERNAL = {"model": {"triton", "torch.distributed"}, "config": {"torch"}}
