@@ -1,6 +1,6 @@
 """What the engine asks of a speculative proposer, and the counters it fills.
 
-Legend: k draft tokens, V vocabulary, n taps (tapped target layers), D the target's hidden size.
+Legend: k draft tokens, V vocabulary, T positions, n taps (tapped target layers), D the target's hidden size.
 
 Per running sequence and step the engine calls `propose(ids, k, taps)` and gets a `Draft`: up to k token ids
 and, for a proposer that samples (a draft model), the distribution q each was drawn from, which the sampling
@@ -45,9 +45,11 @@ class Draft:
 class Proposer(Protocol):
     """A speculative proposer (design.md section 1: the engine's "speculative proposers").
 
-    `needs_taps` names the target layers (0-based decoder layer indices) whose hidden states it reads; the engine
-    passes them as `taps` [n, T, D] for the sequence's last T positions whose states the target has computed
-    (T >= 1; a model-free proposer has `needs_taps == ()` and gets None).
+    `needs_taps` names the target layers (0-based decoder layer indices) whose hidden states it reads
+    (`kimik3.inference.spec.taps`: the residual stream after each). The engine passes them as `taps` [T, n*D]
+    (the layers side by side, in needs_taps order) for the T positions the sequence committed since the last
+    call: the whole prompt at the first call, then the last committed token and the accepted drafts of each
+    verification (never a rejected draft's position). A model-free proposer has `needs_taps == ()` and gets None.
     """
 
     needs_taps: tuple[int, ...]
