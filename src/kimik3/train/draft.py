@@ -126,7 +126,8 @@ class DraftTrainer:
         block, pos, mask, lab, prev = block_batch(ids_RT, labels, anchors, S, self.drafter.config.mask_token_id)
         ctx = self.drafter.context(taps)
         h = self.drafter.backbone(ctx, block, self.target.model.embed_tokens,
-                                  torch.arange(T, device=ids_RT.device).expand(R, T), pos, mask)
+                                  torch.arange(T, device=ids_RT.device).expand(R, T), pos, mask,
+                                  anchors.repeat_interleave(S, 1) - 1)
         draft = (torch.arange(block.shape[1], device=ids_RT.device) % S) != 0  # slot 0 is the anchor
         out, conf = self.drafter.heads(h[:, draft], prev[:, draft], self.target.lm_head)
         target = lab[:, draft]
@@ -151,7 +152,7 @@ class DraftTrainer:
             res = self.losses(ids.to(self.device), seed=t.seed * 1_000_003 + self.step * t.grad_accum + a)
             (res["loss"] / t.grad_accum).backward()
             for k, v in res.items():
-                totals[k] = totals.get(k, 0.0) + float(v) / t.grad_accum
+                totals[k] = totals.get(k, 0.0) + float(v.detach()) / t.grad_accum
         params = [p for p in self.drafter.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, t.clip_grad_norm if t.clip_grad_norm > 0 else float("inf"))
         self.optim.step()

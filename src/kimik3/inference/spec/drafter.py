@@ -5,7 +5,8 @@ Legend: B batch, C context positions, S block slots (block_size), D hidden (the 
 n tapped target layers, H heads, K head dim, r Markov rank.
 
     ctx   = hidden_norm( fc( [h_l1 | ... | h_ln] ) )          [B, C, D]  the target's taps (taps.py)
-    x     = embed([anchor, mask, ..., mask])                  [B, S, D]  the target's embedding, frozen
+    x     = embed([anchor, mask, ..., mask]) + ctx[a - 1]     [B, S, D]  the target's embedding, frozen,
+                                                                     plus the newest context row
     for each layer: x += attn(q = x, kv = [ctx ; x]);  x += mlp(x)   (non-causal within the block)
     base  = lm_head(norm(x))                                  [B, S, V]  the target's head, frozen
     logits_j = base_j + W2 W1[prev_j]                          Markov head: prev_j = token at slot j-1
@@ -187,7 +188,7 @@ class DSparkDrafter(nn.Module):
         return self.hidden_norm(self.fc(taps_BCX.float()))
 
     def backbone(self, ctx_BCD: Tensor, block_ids_BS: Tensor, embed: nn.Embedding, ctx_pos_BC: Tensor,
-                 block_pos_BS: Tensor, mask_BSN: Tensor | None) -> Tensor:
+                 block_pos_BS: Tensor, mask_BSN: Tensor | None, last_BS: Tensor | None = None) -> Tensor:
         """Normed block hidden states [B, S, D] (fp32).
 
         Args:
@@ -196,8 +197,12 @@ class DSparkDrafter(nn.Module):
             ctx_pos_BC, block_pos_BS: absolute positions (rotary).
             mask_BSN: [B, S, C + S] bool: which context positions and block slots each slot attends to
                 (None: all of them, one block at inference).
+            last_BS: [B, S] the context row just before each slot's anchor (None: the last row, one block),
+                added to every slot's input so the block starts from the target's newest state.
         """
-        x = embed(block_ids_BS).float()
+        if last_BS is None:
+            last_BS = torch.full(block_ids_BS.shape, ctx_BCD.shape[1] - 1, device=ctx_BCD.device)
+        x = embed(block_ids_BS).float() + ctx_BCD.gather(1, last_BS[..., None].expand(-1, -1, ctx_BCD.shape[2]))
         kv_pos = torch.cat([ctx_pos_BC, block_pos_BS], dim=1)
         if mask_BSN is None:
             mask_BSN = torch.ones(x.shape[0], x.shape[1], kv_pos.shape[1], dtype=torch.bool, device=x.device)
