@@ -27,8 +27,8 @@ from kimik3.presets import DEMO_DRAFTER, DEMO_MODEL
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", default=str(DEMO_DRAFTER))
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=7)
     args = ap.parse_args()
     lm = kimik3.load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True).language_model.eval()
