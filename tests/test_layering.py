@@ -33,7 +33,8 @@ ALLOWED = {
     "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets", "quant"},
     "serve": {"config", "ops", "model", "checkpoint", "inference", "tokenizer", "presets", "vision"},
     "distributed": {"config", "ops", "model", "checkpoint"},
-    "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets", "lora"},
+    # train/draft.py trains the speculative drafter of inference/spec (a model that serves inference)
+    "train": {"config", "ops", "model", "checkpoint", "tokenizer", "distributed", "presets", "lora", "inference"},
     "hf": {"config", "ops", "model", "checkpoint", "tokenizer", "inference", "presets"},
     "lora": {"config", "ops", "model", "checkpoint"},
 }

@@ -16,6 +16,7 @@ from kimik3.config import K3Config
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONFIG_DIR = PACKAGE_DIR / "configs"
 DEMO_MODEL = PACKAGE_DIR / "demo" / "k3-shakespeare"
+DEMO_DRAFTER = PACKAGE_DIR / "demo" / "k3-shakespeare-draft"  # its DSpark-style drafter (docs/speculative.md)
 
 
 def preset_names() -> list[str]:

@@ -36,13 +36,19 @@ def run(args) -> int:
     from kimik3.train import Trainer, load_train_config
 
     cfg = load_train_config(args.inputs[0], args.set)
-    trainer = Trainer(cfg, progress=not args.no_progress)
+    if cfg.draft is not None:  # a [draft] table: train a speculative drafter for the frozen draft.target
+        from kimik3.train.draft import DraftTrainer
+
+        trainer = DraftTrainer(cfg, progress=not args.no_progress)
+    else:
+        trainer = Trainer(cfg, progress=not args.no_progress)
     try:
         status = trainer.run(stop_at=args.stop_at)
     finally:
         shutdown()
     if trainer.env.is_main:
-        print(f"kimik3 train: {status} at step {trainer.step}/{cfg.train.steps}; checkpoints in {trainer.root}")
+        what = "drafter" if cfg.draft is not None else "checkpoints"
+        print(f"kimik3 train: {status} at step {trainer.step}/{cfg.train.steps}; {what} in {trainer.root}")
     return 130 if status == "interrupted" else 0
 
 

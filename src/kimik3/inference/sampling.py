@@ -128,11 +128,11 @@ def repetition_penalty(x_BV: Tensor, seen_BV: Tensor, penalty_B: Tensor) -> Tens
     return torch.where(seen_BV, torch.where(x_BV > 0, x_BV / pen, x_BV * pen), x_BV)
 
 
-def draw(x_BV: Tensor, temperature_B: Tensor, top_k_B: Tensor, top_p_B: Tensor, min_p_B: Tensor,
-         generators: list[torch.Generator]) -> Tensor:
-    """Processed fp32 logits -> [B] token ids: greedy where temperature is 0, else temperature, top-k, top-p,
-    min-p and the exponential race with each row's own generator (one draw per row per call)."""
-    greedy_B = x_BV.argmax(-1)
+def truncated_probs(x_BV: Tensor, temperature_B: Tensor, top_k_B: Tensor, top_p_B: Tensor, min_p_B: Tensor
+                    ) -> tuple[Tensor, Tensor]:
+    """Processed fp32 logits -> (probabilities [B, V] in descending order, their token ids [B, V]) after
+    temperature, top-k, top-p and min-p: the distribution `draw` samples (the speculative acceptance rule's p).
+    Rows with temperature 0 are treated as temperature 1e-6 here; `draw` takes their argmax instead."""
     x = x_BV / temperature_B.clamp(min=1e-6)[:, None]
     sorted_BV, order_BV = x.sort(-1, descending=True)
     probs = sorted_BV.softmax(-1)
@@ -140,8 +140,17 @@ def draw(x_BV: Tensor, temperature_B: Tensor, top_k_B: Tensor, top_p_B: Tensor, 
     drop = ranks[None, :] >= top_k_B[:, None]
     drop |= (probs.cumsum(-1) - probs) >= top_p_B[:, None]  # the most likely token always stays
     drop |= probs < min_p_B[:, None] * probs[:, :1]
-    probs = sorted_BV.masked_fill(drop, float("-inf")).softmax(-1)
-    noise = torch.stack([torch.empty(x.shape[-1], device=x.device).exponential_(generator=g) for g in generators])
+    return sorted_BV.masked_fill(drop, float("-inf")).softmax(-1), order_BV
+
+
+def draw(x_BV: Tensor, temperature_B: Tensor, top_k_B: Tensor, top_p_B: Tensor, min_p_B: Tensor,
+         generators: list[torch.Generator]) -> Tensor:
+    """Processed fp32 logits -> [B] token ids: greedy where temperature is 0, else temperature, top-k, top-p,
+    min-p and the exponential race with each row's own generator (one draw per row per call)."""
+    greedy_B = x_BV.argmax(-1)
+    probs, order_BV = truncated_probs(x_BV, temperature_B, top_k_B, top_p_B, min_p_B)
+    V = x_BV.shape[-1]
+    noise = torch.stack([torch.empty(V, device=x_BV.device).exponential_(generator=g) for g in generators])
     choice_B = (probs / noise).argmax(-1)
     sampled_B = order_BV.gather(1, choice_B[:, None]).squeeze(1)
     return torch.where(temperature_B == 0, greedy_B, sampled_B)

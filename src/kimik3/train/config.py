@@ -4,6 +4,9 @@ Every key is checked: an unknown key, a wrong type or a value outside its choice
 the file and the `section.key`. Relative paths are taken from the current directory. `overrides` are
 `section.key=value` strings with TOML values (`train.steps=10`, `out_dir="runs/x"`), applied before the checks.
 See configs/train/tiny.toml for a complete example and README "Training" for every key.
+
+A `[draft]` table makes the run train a speculative drafter (docs/speculative.md) for the frozen checkpoint
+`draft.target` instead of the model: `[model]` must then be absent, and configs/train/demo-draft.toml shows the keys.
 """
 
 from __future__ import annotations
@@ -107,6 +110,23 @@ class LoraSection:
 
 
 @dataclass(frozen=True)
+class DraftSection:
+    target: str | None = None  # required: the frozen target checkpoint folder (kimik3.load)
+    layers: list[int] = field(default_factory=list)  # required: 0-based target layers whose hidden states are tapped
+    num_layers: int = 1  # the drafter's backbone layers
+    num_heads: int = 4
+    head_dim: int = 64
+    intermediate_size: int = 512
+    block_size: int = 8  # slots per block: the anchor + block_size - 1 drafts
+    markov_rank: int = 32  # 0: no Markov head
+    confidence_head: bool = True
+    mask_token_id: int | None = None  # default: vocab_size - 3 (K3's reserved mask id sits there)
+    anchors: int = 16  # draft blocks trained per row
+    labels: str = "target"  # "target": the target's argmax at each position; "data": the data's next tokens
+    confidence_weight: float = 0.1  # weight of the confidence head's loss beside the draft CE
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     out_dir: str
     model: ModelSection = ModelSection()
@@ -118,6 +138,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
     lora: LoraSection | None = None  # absent: full training
+    draft: DraftSection | None = None  # present: train a speculative drafter for the frozen `target`
     source: str = field(default="<dict>", compare=False)
 
     def to_dict(self) -> dict:
@@ -129,7 +150,7 @@ class TrainConfig:
 
 CHOICES = {"train.precision": ("fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
            "optim.name": ("adamw", "muon"), "optim.schedule": ("cosine", "wsd", "constant"),
-           "balancing.method": ("qb", "qb_exact", "sign", "frozen")}
+           "balancing.method": ("qb", "qb_exact", "sign", "frozen"), "draft.labels": ("target", "data")}
 POSITIVE = ("data.seq_len", "train.steps", "train.micro_batch_rows", "train.grad_accum", "train.loss_chunk_tokens",
             "balancing.bins", "eval.rows", "checkpoint.keep", "log.every")
 NON_NEGATIVE = ("optim.lr", "optim.warmup_steps", "optim.weight_decay", "train.clip_grad_norm", "eval.every",
@@ -193,6 +214,8 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
     if cfg.train.steps is None:
         raise ValueError(f"{where}: 'train.steps' is required (the number of optimizer steps)")
     for dotted, allowed in CHOICES.items():
+        if dotted.startswith("draft.") and cfg.draft is None:
+            continue
         value = getattr(getattr(cfg, dotted.split(".")[0]), dotted.split(".")[1])
         if value not in allowed:
             raise ValueError(f"{where}: '{dotted}' must be one of {', '.join(map(repr, allowed))}, got {value!r}")
@@ -200,7 +223,9 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
         value = getattr(getattr(cfg, dotted.split(".")[0]), dotted.split(".")[1])
         if value < minimum:
             raise ValueError(f"{where}: '{dotted}' must be >= {minimum}, got {value}")
-    if (cfg.model.config is None) == (cfg.model.checkpoint is None):
+    if cfg.draft is not None:
+        _check_draft(cfg.draft, cfg.model, where)
+    elif (cfg.model.config is None) == (cfg.model.checkpoint is None):
         raise ValueError(f"{where}: set exactly one of 'model.config' (fresh init) and 'model.checkpoint'")
     if not cfg.data.train:
         raise ValueError(f"{where}: 'data.train' is required (shard folder, .bin files or text files)")
@@ -222,6 +247,22 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
             raise ValueError(f"{where}: [lora] does not run with 'train.expert_parallel' yet")
     if not 0 <= cfg.balancing.ema < 1:
         raise ValueError(f"{where}: 'balancing.ema' must be in [0, 1), got {cfg.balancing.ema}")
+
+
+def _check_draft(d: DraftSection, model: ModelSection, where: str) -> None:
+    if model != ModelSection():
+        raise ValueError(f"{where}: a [draft] run trains a drafter for 'draft.target'; remove the [model] table")
+    if d.target is None:
+        raise ValueError(f"{where}: 'draft.target' is required (the frozen target checkpoint folder)")
+    if not d.layers or any(i < 0 for i in d.layers) or len(set(d.layers)) != len(d.layers):
+        raise ValueError(f"{where}: 'draft.layers' must be distinct 0-based target layer indices, got {d.layers}")
+    for name in ("num_layers", "num_heads", "head_dim", "intermediate_size", "anchors"):
+        if getattr(d, name) < 1:
+            raise ValueError(f"{where}: 'draft.{name}' must be >= 1, got {getattr(d, name)}")
+    if d.block_size < 2:
+        raise ValueError(f"{where}: 'draft.block_size' must be >= 2 (an anchor and a draft), got {d.block_size}")
+    if d.markov_rank < 0 or d.confidence_weight < 0:
+        raise ValueError(f"{where}: 'draft.markov_rank' and 'draft.confidence_weight' must be >= 0")
 
 
 def from_dict(raw: dict, where: str = "<dict>") -> TrainConfig:

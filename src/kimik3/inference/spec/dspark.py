@@ -1,0 +1,135 @@
+"""The DSpark drafter as a `Proposer`, and its folder: config.json + model.safetensors (docs/speculative.md).
+
+Legend: C context positions, S block slots, D hidden, V vocabulary, n tapped layers.
+
+Per sequence the proposer keeps the drafter's context features [C, D] (fc + hidden_norm of the taps), one row per
+committed position: the engine passes the taps of the positions it committed since the last call, so a step
+costs the new rows' projection plus one backbone pass over S slots, never a pass over the whole context taps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from kimik3.inference.spec.drafter import DraftConfig, DSparkDrafter
+from kimik3.inference.spec.proposer import Draft
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+
+
+def save_drafter(drafter: DSparkDrafter, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write `config.json` and `model.safetensors` (weights in `dtype`; the target's embedding and head are not
+    stored). Returns the folder."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG).write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n")
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+    return out
+
+
+def load_drafter(folder: str | Path, device: str | torch.device = "cpu") -> DSparkDrafter:
+    """A drafter from its folder, fp32, in eval mode. Missing, unexpected or misshapen tensors raise ValueError
+    naming the tensor and the file."""
+    folder = Path(folder)
+    for name in (CONFIG, WEIGHTS):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"no drafter {name} in {folder}")
+    try:
+        raw = json.loads((folder / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{folder / CONFIG}: not valid JSON ({e})") from None
+    drafter = DSparkDrafter(DraftConfig.from_dict(raw))
+    state = load_file(str(folder / WEIGHTS))
+    want = drafter.state_dict()
+    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"{folder / WEIGHTS}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    for k, v in state.items():
+        if v.shape != want[k].shape:
+            raise ValueError(f"{folder / WEIGHTS}: tensor {k} has shape {tuple(v.shape)}, the config gives "
+                             f"{tuple(want[k].shape)}")
+    drafter.load_state_dict({k: v.float() for k, v in state.items()})
+    return drafter.to(device).eval()
+
+
+def check_target(cfg: DraftConfig, target_cfg) -> None:
+    """Raise ValueError unless the drafter was made for a target of this shape (a TextConfig)."""
+    for mine, theirs in (("target_hidden_size", "hidden_size"), ("target_num_hidden_layers", "num_layers"),
+                         ("vocab_size", "vocab_size")):
+        if getattr(cfg, mine) != getattr(target_cfg, theirs):
+            raise ValueError(f"the drafter's {mine} is {getattr(cfg, mine)}, the target's {theirs} is "
+                             f"{getattr(target_cfg, theirs)}")
+
+
+class DSparkProposer:
+    """Drafts with a `DSparkDrafter` over a target `K3ForCausalLM`'s embedding and LM head.
+
+    Args:
+        drafter, target: the draft model and the (frozen) target whose `model.embed_tokens` and `lm_head` it uses.
+        sample: draw drafts from q = softmax(logits / temperature) with `generator` (the Draft then carries q);
+            False drafts the argmax (q one-hot, `Draft.probs` None): the choice for greedy targets.
+        min_confidence: stop drafting once the product of the confidence head's probabilities falls below it
+            (0: always draft k; the first draft token is always proposed).
+    """
+
+    def __init__(self, drafter: DSparkDrafter, target: nn.Module, *, sample: bool = False, temperature: float = 1.0,
+                 min_confidence: float = 0.0, generator: torch.Generator | None = None):
+        check_target(drafter.config, target.config)
+        self.drafter, self.embed, self.lm_head = drafter, target.model.embed_tokens, target.lm_head
+        self.needs_taps = drafter.config.target_layer_ids
+        self.sample, self.temperature, self.min_confidence = sample, temperature, min_confidence
+        self.generator = generator
+        self.ctx: dict[int, Tensor] = {}
+
+    def observe(self, seq_id: int, tokens: list[int]) -> None:
+        """Nothing to do: the context grows through the taps given to `propose`."""
+
+    def finish(self, seq_id: int) -> None:
+        self.ctx.pop(seq_id, None)
+
+    @torch.no_grad()
+    def propose(self, seq_id: int, ids: list[int], k: int, taps: Tensor | None = None) -> Draft:
+        """Draft up to min(k, block_size - 1) tokens after `ids`.
+
+        Args:
+            taps: [T, n*D_target] the taps of the T positions committed since the last call (the whole prompt
+                at the first); afterwards the sequence holds len(ids) - 1 context positions.
+        """
+        cfg, dev = self.drafter.config, self.lm_head.weight.device
+        if taps is not None and len(taps):
+            new = self.drafter.context(taps.to(dev)[None])[0]
+            self.ctx[seq_id] = torch.cat([self.ctx[seq_id], new]) if seq_id in self.ctx else new
+        ctx = self.ctx.get(seq_id)
+        C = 0 if ctx is None else ctx.shape[0]
+        if C != len(ids) - 1:
+            raise ValueError(f"sequence {seq_id}: the drafter holds taps of {C} positions but ids has {len(ids)} "
+                             f"tokens (want the taps of every position before the newest token)")
+        k = min(k, cfg.num_drafts)
+        if k <= 0 or ctx is None:
+            return Draft()
+        S = k + 1
+        block = torch.tensor([[ids[-1]] + [cfg.mask_token_id] * k], device=dev)
+        h = self.drafter.backbone(ctx[None], block, self.embed, torch.arange(C, device=dev)[None],
+                                  torch.arange(C, C + S, device=dev)[None], None)[0]
+        tokens, probs, confs, survive, prev = [], [], [], 1.0, ids[-1]
+        for j in range(1, S):
+            logits, conf = self.drafter.heads(h[j], torch.tensor(prev, device=dev), self.lm_head)
+            c = float(torch.sigmoid(conf)) if conf is not None else 1.0
+            if tokens and survive * c < self.min_confidence:
+                break
+            survive *= c
+            if self.sample:
+                q = (logits / max(self.temperature, 1e-6)).softmax(-1)
+                prev = int(torch.multinomial(q, 1, generator=self.generator))
+                probs.append(q)
+            else:
+                prev = int(logits.argmax())
+            tokens.append(prev)
+            confs.append(c)
+        return Draft(tuple(tokens), torch.stack(probs) if probs else None, tuple(confs))

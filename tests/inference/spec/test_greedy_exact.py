@@ -1,0 +1,53 @@
+"""Speculative greedy == non-speculative greedy, token for token, on the demo model (offline loop of full
+forwards), for both proposers and several prompts; and the shipped demo drafter is accepted."""
+
+import pytest
+import torch
+
+import kimik3
+from kimik3.inference.sampling import SamplingParams
+from kimik3.inference.spec import SpecStats, SuffixProposer
+from kimik3.inference.spec.dspark import DSparkProposer, load_drafter
+from kimik3.inference.spec.offline import greedy_reference, speculative_generate
+from kimik3.presets import DEMO_DRAFTER, DEMO_MODEL
+from kimik3.tokenizer import Tokenizer
+
+PROMPTS = ["ROMEO:\nO, she doth teach the torches to burn bright!", "KING HENRY:\nOnce more unto the breach,",
+           "HAMLET:\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+           "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles,\n"
+           "HAMLET:\nTo be, or not to be,"]  # the last one repeats itself: suffix decoding drafts the copy
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def demo():
+    lm = kimik3.load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True).language_model.eval()
+    tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
+    prompts = [tok.encode(p) for p in PROMPTS]
+    return lm, prompts, [greedy_reference(lm, p, NEW) for p in prompts]
+
+
+def test_suffix_greedy_is_exact(demo):
+    lm, prompts, refs = demo
+    stats = SpecStats()
+    prop = SuffixProposer()
+    for i, (p, ref) in enumerate(zip(prompts, refs)):
+        assert speculative_generate(lm, prop, p, NEW, SamplingParams(temperature=0), 6, stats=stats, seq_id=i) == ref
+    assert stats.spec_decode_num_accepted_tokens > 0  # the repeated prompt is copied
+
+
+def test_dspark_greedy_is_exact_and_accepts(demo):
+    lm, prompts, refs = demo
+    stats = SpecStats()
+    prop = DSparkProposer(load_drafter(DEMO_DRAFTER), lm)
+    for i, (p, ref) in enumerate(zip(prompts, refs)):
+        assert speculative_generate(lm, prop, p, NEW, SamplingParams(temperature=0), 7, stats=stats, seq_id=i) == ref
+    assert stats.mean_accepted_length > 1.5, stats
+
+
+def test_dspark_sampling_runs_with_draft_probs(demo):
+    lm, prompts, _ = demo
+    g = torch.Generator().manual_seed(0)
+    prop = DSparkProposer(load_drafter(DEMO_DRAFTER), lm, sample=True, temperature=0.8, generator=g)
+    out = speculative_generate(lm, prop, prompts[0], 8, SamplingParams(temperature=0.8, top_k=50), 7, generator=g)
+    assert len(out) == 8 and all(0 <= t < lm.config.vocab_size for t in out)
