@@ -53,6 +53,16 @@ def environment() -> Environment:
     return env
 
 
+def check_replaceable(out: Path) -> None:
+    """Refuse to write over a folder that holds files but is not an atlas (no atlas.json): the user's own."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "atlas.json").is_file():
+        raise FileExistsError(f"{out}: a non-empty folder that is not an atlas (no atlas.json); "
+                              "choose another --out or pass --force to replace it")
+
+
 def write_site(atlas: dict, out: Path, *, diff: dict | None = None, live: dict | None = None) -> list[Path]:
     """Render `atlas` (and optional diff / live numbers) into `out`; returns the files written."""
     out = Path(out)
