@@ -120,3 +120,18 @@ def test_prepare_chat_jsonl_then_train(tmp_path, capsys):
     toml.write_text(text.replace(f'train = "{tmp_path / "docs"}/*.txt"', f'train = "{tmp_path / "shards"}"'))
     assert main(["train", str(toml)]) == 0
     assert "done at step 1/1" in capsys.readouterr().out
+
+
+def test_a_trainer_checkpoint_is_a_complete_model_folder(tmp_path, capsys):
+    """The run's tokenizer as tiktoken.model and its document separator as eos_token_id: `generate` takes it."""
+    toml = write_run(tmp_path)
+    assert main(["train", str(toml)]) == 0
+    model = tmp_path / "run" / "checkpoints" / "step-00000001" / "model"
+    assert (model / "tiktoken.model").read_bytes() == Path(BYTES).read_bytes()
+    eos = Tokenizer.from_file(BYTES).encode_special("[EOS]")
+    assert eos == 257
+    assert json.loads((model / "config.json").read_text())["eos_token_id"] == eos
+    assert json.loads((model / "generation_config.json").read_text())["eos_token_id"] == eos
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model), "--prompt", "def ", "--max-new-tokens", "3",
+                 "--device", "cpu"]) == 0, capsys.readouterr().err

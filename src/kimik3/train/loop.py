@@ -167,7 +167,8 @@ class Trainer:
                      "config": self.cfg.to_dict(), "rows_per_step": self.rows_per_step,
                      "world_size": self.env.world_size}
             path = ckpt.save_checkpoint(self.root, self.step, model_to_save, self.k3cfg, state,
-                                        self.cfg.checkpoint.keep, self.cfg.to_dict())
+                                        self.cfg.checkpoint.keep, self.cfg.to_dict(),
+                                        eos_id=self.train_rows.stream.eos_id)
         barrier()
         return path
 
