@@ -135,3 +135,34 @@ def test_a_trainer_checkpoint_is_a_complete_model_folder(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--model", str(model), "--prompt", "def ", "--max-new-tokens", "3",
                  "--device", "cpu"]) == 0, capsys.readouterr().err
+
+
+def test_negative_stop_at_is_refused(tmp_path, capsys):
+    toml = write_run(tmp_path)
+    assert main(["train", str(toml), "--stop-at", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--stop-at" in err and not (tmp_path / "run").exists()
+
+
+def test_threads_sets_the_thread_count(tmp_path, capsys):
+    toml = write_run(tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["train", str(toml), "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert main(["train", str(toml), "--threads", "0"]) == 2
+    assert "--threads" in capsys.readouterr().err
+
+
+def test_prepare_again_leaves_no_stale_shards(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("kimi delta attention " * 40)
+    out = tmp_path / "shards"
+    prepare_shards([str(text)], BYTES, out, shard_tokens=100)
+    assert len(list(out.glob("tokens-*.bin"))) > 2
+    text.write_text("short")
+    prepare_shards([str(text)], BYTES, out, shard_tokens=100)
+    assert sorted(p.name for p in out.glob("tokens-*.bin")) == json.loads((out / "meta.json").read_text())["files"]
