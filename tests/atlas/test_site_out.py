@@ -3,6 +3,8 @@ and a bad --port is one error line."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import kimik3.atlas.render as render
@@ -45,3 +47,23 @@ def test_bad_port_is_one_error_line(tmp_path, capsys, port):
     assert main(["atlas", "tiny", "--out", str(tmp_path / "x"), "--serve", "--port", port]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--port" in err and not (tmp_path / "x").exists()
+
+
+def test_every_css_url_resolves_to_a_shipped_file(tmp_path):
+    out = tmp_path / "s"
+    assert main(["atlas", "tiny", "--out", str(out)]) == 0
+    for css in out.rglob("*.css"):
+        for ref in re.findall(r"url\(\s*['\"]?(?!data:)([^'\")]+)", css.read_text()):
+            assert (css.parent / ref).is_file(), (css.name, ref)
+
+
+def test_provenance_names_kimik3_once(monkeypatch):
+    import subprocess
+
+    from kimik3.atlas import evidence
+
+    def no_git(*a, **kw):
+        raise OSError("no git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert not evidence.revision().startswith("kimik3")

@@ -8,6 +8,7 @@ file:// and offline.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from pygments.lexers import PythonLexer
 from kimik3.atlas.layout import diagram
 
 HERE = Path(__file__).resolve().parent
+_FALLBACK_FONTS = re.compile(r',url\(fonts/[\w-]+\.(?:woff|ttf)\) format\("(?:woff|truetype)"\)')
 FORMATTER_STYLE = "friendly"
 
 
@@ -73,6 +75,8 @@ def write_site(atlas: dict, out: Path, *, diff: dict | None = None, live: dict |
         shutil.rmtree(static)
     shutil.copytree(HERE / "static", static)
     shutil.copytree(HERE / "vendor" / "katex", static / "katex")
+    css = static / "katex" / "katex.min.css"  # only the .woff2 fonts ship: drop the .woff/.ttf fallbacks it names
+    css.write_text(_FALLBACK_FONTS.sub("", css.read_text()))
     env = environment()
     svg, boxes = diagram(atlas)
     nodes = atlas["nodes"]
