@@ -166,3 +166,12 @@ def test_prepare_again_leaves_no_stale_shards(tmp_path):
     text.write_text("short")
     prepare_shards([str(text)], BYTES, out, shard_tokens=100)
     assert sorted(p.name for p in out.glob("tokens-*.bin")) == json.loads((out / "meta.json").read_text())["files"]
+
+
+def test_no_progress_says_it_resumed(tmp_path, capsys):
+    toml = write_run(tmp_path)
+    toml.write_text(toml.read_text().replace("steps = 1\n", "steps = 2\n"))
+    assert main(["train", str(toml), "--stop-at", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(toml), "--no-progress"]) == 0
+    assert "resumed from step 1" in capsys.readouterr().err
