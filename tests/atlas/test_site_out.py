@@ -67,3 +67,10 @@ def test_provenance_names_kimik3_once(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", no_git)
     assert not evidence.revision().startswith("kimik3")
+
+
+def test_diff_page_prints_no_python_dicts(tmp_path):
+    out = tmp_path / "s"
+    assert main(["atlas", "tiny", "--out", str(out), "--diff", "demo"]) == 0
+    html = (out / "diff.html").read_text()
+    assert "{&#39;" not in html and "{'" not in html and "[(" not in html
