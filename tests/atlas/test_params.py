@@ -116,3 +116,12 @@ def test_packed_experts_count_and_map_the_same(released_meta, k3_config):
     assert {s.name: s for s in checkpoint_specs(packed, "bf16") if s.name.startswith(layer)} == dense
     mx = [s for s in checkpoint_specs(packed, "mxfp4") if s.name.startswith(layer)]
     assert mx == [s for s in checkpoint_specs(released_meta, "mxfp4") if s.name.startswith(layer)]
+
+
+def test_params_json_has_the_text_model_total(capsys):
+    assert main(["params", "tiny", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    vision = sum(c["total"] for c in report["components"] if c["name"] in ("vision tower", "mm projector"))
+    assert vision > 0 and report["text_total"] == report["total"] - vision
+    assert main(["params", "tiny"]) == 0
+    assert f"{report['text_total']:,}" in capsys.readouterr().out

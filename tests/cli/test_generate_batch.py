@@ -99,3 +99,19 @@ def test_batch_output_dash_is_standard_output(tmp_path, capsys, monkeypatch):
     captured = capsys.readouterr()
     (line,) = captured.out.splitlines()
     assert json.loads(line)["id"] == "a" and "1 requests" in captured.err and not (tmp_path / "-").exists()
+
+
+def test_batch_never_overwrites_its_input_or_an_unasked_file(tmp_path, capsys):
+    src = tmp_path / "req.jsonl"
+    src.write_text('{"prompt": "ROMEO:", "max_new_tokens": 2}\n')
+    before = src.read_text()
+    for out in (str(src), str(tmp_path / "." / "req.jsonl")):
+        assert main(["generate", "--input", str(src), "--output", out, "--overwrite"]) == 2
+        assert "replace the requests" in capsys.readouterr().err and src.read_text() == before
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("keep\n")
+    assert main(["generate", "--input", str(src), "--output", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--overwrite" in err and mine.read_text() == "keep\n"
+    assert main(["generate", "--input", str(src), "--output", str(mine), "--overwrite", "--temperature", "0"]) == 0
+    assert json.loads(mine.read_text().splitlines()[0])["id"]

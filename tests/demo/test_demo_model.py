@@ -3,14 +3,18 @@ config, every K3 feature on, deterministic greedy generation, and the README's f
 sampling defaults."""
 
 import json
+import re
 
 import pytest
+import torch
 
 import kimik3
+from kimik3.atlas import count_parameters
 from kimik3.checkpoint import inspect_checkpoint
 from kimik3.cli import main
 from kimik3.inference import SamplingParams, generate
-from kimik3.presets import DEMO_MODEL
+from kimik3.model import K3ForConditionalGeneration
+from kimik3.presets import DEMO_MODEL, load_config
 from kimik3.tokenizer import Tokenizer
 
 FILES = {"config.json", "generation_config.json", "model.safetensors.index.json", "tiktoken.model",
@@ -72,3 +76,14 @@ def test_sampling_defaults_come_from_generation_config():
     assert (params.temperature, params.top_p, params.max_new_tokens) == (0.8, 0.95, 256)
     params = sampling_params(p.parse_args(["--temperature", "0", "--top-p", "0.5"]))
     assert (params.temperature, params.top_p) == (0.0, 0.5)
+
+
+def test_model_card_parameter_counts_are_the_live_models():
+    """The card's counts are `kimik3 params demo`'s (the modules the checkpoint loads into, strictly)."""
+
+    with torch.device("meta"):
+        report = count_parameters(K3ForConditionalGeneration(load_config(DEMO_MODEL)))
+    line = next(ln for ln in (DEMO_MODEL / "MODEL_CARD.md").read_text().splitlines() if ln.startswith("| parameters"))
+    total, experts, active = (int(x.replace(",", "")) for x in re.findall(r"\d[\d,]+", line))
+    by = {c.name: c.total for c in report.components}
+    assert (total, experts, active) == (report.total, by["routed experts"], report.active)

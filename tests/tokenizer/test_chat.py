@@ -285,9 +285,11 @@ def _conversation():
 
 
 @pytest.mark.parametrize("thinking", [True, False])
-def test_assistant_mask_is_what_generation_produces(tok, thinking):
-    """Each assistant turn's trained ids are exactly the ids that follow the generation prompt for that turn,
-    through <|end_of_msg|>; nothing else is trained."""
+def test_assistant_mask_is_the_released_tokenizers(tok, thinking):
+    """The released tokenizer's assistant mask: each assistant turn from its channel opener (`<|open|>think<|sep|>`,
+    or `<|open|>response<|sep|>` with thinking off; the generation prompt's last ids) through <|end_of_msg|>;
+    the `<|open|>message role="assistant"<|sep|>` header and everything else is untrained. Covers thinking on and
+    off, a tool call and its result, and several turns."""
     msgs = _conversation()
     ids, mask = encode_chat_with_mask(tok, msgs, tools=[WEATHER], thinking=thinking, add_generation_prompt=False)
     assert ids == encode_chat(tok, msgs, tools=[WEATHER], thinking=thinking, add_generation_prompt=False)
@@ -299,7 +301,11 @@ def test_assistant_mask_is_what_generation_produces(tok, thinking):
         prompt = encode_chat(tok, msgs[:i], tools=[WEATHER], thinking=thinking)
         full = encode_chat(tok, msgs[:i + 1], tools=[WEATHER], thinking=thinking, add_generation_prompt=False)
         assert full[:len(prompt)] == prompt == ids[:len(prompt)]
-        want[len(prompt):len(full)] = [True] * (len(full) - len(prompt))
+        opener = ([tok.encode_special("<|open|>")] + tok.encode("think" if thinking else "response")
+                  + [tok.encode_special("<|sep|>")])
+        assert prompt[-len(opener):] == opener
+        start = len(prompt) - len(opener)
+        want[start:len(full)] = [True] * (len(full) - start)
         assert full[-1] == tok.encode_special("<|end_of_msg|>")
     assert mask == want
     trained = [tok.decode([t]) if not tok.is_special(t) else tok.special_name(t) for t, m in zip(ids, mask) if m]
@@ -307,6 +313,8 @@ def test_assistant_mask_is_what_generation_produces(tok, thinking):
     assert "Rain." in text and "You're welcome." in text and "get_weather" in text
     assert "Oslo?" not in text and "Be brief." not in text and "rain<" not in text and "Thanks" not in text
     assert ("It said rain.<|close|>think<|sep|>" in text) == thinking
+    assert ("<|open|>think<|sep|>" in text) == thinking and "<|open|>response<|sep|>" in text
+    assert 'message role="assistant"' not in text
 
 
 def test_assistant_mask_prompt_only(tok):

@@ -120,3 +120,58 @@ def test_prepare_chat_jsonl_then_train(tmp_path, capsys):
     toml.write_text(text.replace(f'train = "{tmp_path / "docs"}/*.txt"', f'train = "{tmp_path / "shards"}"'))
     assert main(["train", str(toml)]) == 0
     assert "done at step 1/1" in capsys.readouterr().out
+
+
+def test_a_trainer_checkpoint_is_a_complete_model_folder(tmp_path, capsys):
+    """The run's tokenizer as tiktoken.model and its document separator as eos_token_id: `generate` takes it."""
+    toml = write_run(tmp_path)
+    assert main(["train", str(toml)]) == 0
+    model = tmp_path / "run" / "checkpoints" / "step-00000001" / "model"
+    assert (model / "tiktoken.model").read_bytes() == Path(BYTES).read_bytes()
+    eos = Tokenizer.from_file(BYTES).encode_special("[EOS]")
+    assert eos == 257
+    assert json.loads((model / "config.json").read_text())["eos_token_id"] == eos
+    assert json.loads((model / "generation_config.json").read_text())["eos_token_id"] == eos
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model), "--prompt", "def ", "--max-new-tokens", "3",
+                 "--device", "cpu"]) == 0, capsys.readouterr().err
+
+
+def test_negative_stop_at_is_refused(tmp_path, capsys):
+    toml = write_run(tmp_path)
+    assert main(["train", str(toml), "--stop-at", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--stop-at" in err and not (tmp_path / "run").exists()
+
+
+def test_threads_sets_the_thread_count(tmp_path, capsys):
+    toml = write_run(tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["train", str(toml), "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert main(["train", str(toml), "--threads", "0"]) == 2
+    assert "--threads" in capsys.readouterr().err
+
+
+def test_prepare_again_leaves_no_stale_shards(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("kimi delta attention " * 40)
+    out = tmp_path / "shards"
+    prepare_shards([str(text)], BYTES, out, shard_tokens=100)
+    assert len(list(out.glob("tokens-*.bin"))) > 2
+    text.write_text("short")
+    prepare_shards([str(text)], BYTES, out, shard_tokens=100)
+    assert sorted(p.name for p in out.glob("tokens-*.bin")) == json.loads((out / "meta.json").read_text())["files"]
+
+
+def test_no_progress_says_it_resumed(tmp_path, capsys):
+    toml = write_run(tmp_path)
+    toml.write_text(toml.read_text().replace("steps = 1\n", "steps = 2\n"))
+    assert main(["train", str(toml), "--stop-at", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(toml), "--no-progress"]) == 0
+    assert "resumed from step 1" in capsys.readouterr().err

@@ -5,13 +5,26 @@ from __future__ import annotations
 
 
 def _fmt(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_fmt(x) for x in v) if v else "[]"
     return "—" if v is None else f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
 
 
+def _flat(config: dict, prefix: str = "") -> dict:
+    """Nested config sections as dotted fields (`vision.hidden_size`): a row per value, never a printed dict."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def diff_atlases(a: dict, b: dict) -> dict:
-    fields = sorted(set(a["config"]) | set(b["config"]))
-    config = [{"field": f, "a": _fmt(a["config"].get(f)), "b": _fmt(b["config"].get(f))}
-              for f in fields if a["config"].get(f) != b["config"].get(f)]
+    ca, cb = _flat(a["config"]), _flat(b["config"])
+    fields = sorted(set(ca) | set(cb))
+    config = [{"field": f, "a": _fmt(ca.get(f)), "b": _fmt(cb.get(f))} for f in fields if ca.get(f) != cb.get(f)]
     comps, tensors = [], []
     for cid in list(dict.fromkeys(a["order"] + b["order"])):
         na, nb = a["nodes"].get(cid, {}), b["nodes"].get(cid, {})

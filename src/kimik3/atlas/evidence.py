@@ -171,7 +171,8 @@ def covering_tests(names: set[str], limit: int = 12) -> list[str]:
 
 
 def revision() -> str:
-    """`git rev-parse --short HEAD` (+ ' (modified)' for a dirty tree) in a checkout; else the package version."""
+    """`git rev-parse --short HEAD` (+ ' (modified)' for a dirty tree) in a checkout; else the package version
+    (bare: the pages print it after the word kimik3)."""
     import kimik3
 
     try:
@@ -181,4 +182,4 @@ def revision() -> str:
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
         return head + (" (modified)" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return f"kimik3 {kimik3.__version__}"
+        return kimik3.__version__

@@ -48,6 +48,7 @@ class ParamReport:
     active: int  # per token, excluding the embedding, including the LM head (the model card's convention)
     active_with_embedding: int
     active_without_head: int
+    text_total: int = 0  # all but the vision tower and mm projector (the table's "text model" row)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -97,7 +98,8 @@ def count_parameters(model: nn.Module) -> ParamReport:
     total = sum(c.total for c in comps)
     active_all = sum(c.active for c in comps) - vision
     emb = by["embedding"].total
-    return ParamReport(comps, total, active_all - emb, active_all, active_all - emb - by["lm_head"].total)
+    return ParamReport(comps, total, active_all - emb, active_all, active_all - emb - by["lm_head"].total,
+                       text_total=total - vision)
 
 
 def format_report(report: ParamReport, title: str = "parameters"):

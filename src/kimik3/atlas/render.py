@@ -8,6 +8,7 @@ file:// and offline.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from pygments.lexers import PythonLexer
 from kimik3.atlas.layout import diagram
 
 HERE = Path(__file__).resolve().parent
+_FALLBACK_FONTS = re.compile(r',url\(fonts/[\w-]+\.(?:woff|ttf)\) format\("(?:woff|truetype)"\)')
 FORMATTER_STYLE = "friendly"
 
 
@@ -53,6 +55,16 @@ def environment() -> Environment:
     return env
 
 
+def check_replaceable(out: Path) -> None:
+    """Refuse to write over a folder that holds files but is not an atlas (no atlas.json): the user's own."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "atlas.json").is_file():
+        raise FileExistsError(f"{out}: a non-empty folder that is not an atlas (no atlas.json); "
+                              "choose another --out or pass --force to replace it")
+
+
 def write_site(atlas: dict, out: Path, *, diff: dict | None = None, live: dict | None = None) -> list[Path]:
     """Render `atlas` (and optional diff / live numbers) into `out`; returns the files written."""
     out = Path(out)
@@ -63,6 +75,8 @@ def write_site(atlas: dict, out: Path, *, diff: dict | None = None, live: dict |
         shutil.rmtree(static)
     shutil.copytree(HERE / "static", static)
     shutil.copytree(HERE / "vendor" / "katex", static / "katex")
+    css = static / "katex" / "katex.min.css"  # only the .woff2 fonts ship: drop the .woff/.ttf fallbacks it names
+    css.write_text(_FALLBACK_FONTS.sub("", css.read_text()))
     env = environment()
     svg, boxes = diagram(atlas)
     nodes = atlas["nodes"]

@@ -9,10 +9,12 @@ under the MoE backend KIMIK3_MOE_BACKEND names (`kimik3.ops.backend.use_backend(
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import warnings
 
+from kimik3 import __version__
 from kimik3.cli import atlas, chat, convert, eval, generate, inspect, lora, memory, params, serve, train
 
 # in the order `kimik3 --help` lists them
@@ -21,9 +23,25 @@ COMMANDS = (params, memory, inspect, convert, generate, chat, train, lora, atlas
 EXIT_USAGE, EXIT_SIGINT, EXIT_SIGPIPE = 2, 130, 141
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """`--help` names each option's default, unless its help text already does or there is none to name (an
+    unset option, a switch that is off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower()
+                or not (action.option_strings or action.nargs in ("?", "*"))):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in readable, exact, fast PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 in readable, exact, fast PyTorch.",
+                                     formatter_class=DefaultsFormatter)
+    parser.add_argument("--version", action="version", version=f"kimik3 {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser,
+                                                               formatter_class=DefaultsFormatter))
     for module in COMMANDS:
         module.add_parser(sub)
     return parser

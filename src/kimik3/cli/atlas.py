@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
                    "one; 'demo' = the bundled demo model)")
     p.add_argument("--serve", action="store_true", help="serve the site on the loopback address after building")
     p.add_argument("--port", type=int, default=8000, help="port for --serve (0 = any free port)")
+    p.add_argument("--force", action="store_true", help="replace --out even when it holds files the atlas did "
+                   "not write (by default such a folder is refused)")
     p.set_defaults(run=run)
 
 
@@ -32,11 +34,14 @@ def build(args):
     """Build the atlas (and diff / live numbers) and write the site; returns (atlas, seconds to build)."""
     from kimik3.atlas.build import build_atlas
     from kimik3.atlas.diff import diff_atlases
-    from kimik3.atlas.render import write_site
+    from kimik3.atlas.render import check_replaceable, write_site
+    from kimik3.checkpoint import publish_atomically
     from kimik3.presets import DEMO_MODEL, load_config, resolve_config
 
     if args.context < 1:
         raise ValueError(f"--context must be a positive number of tokens, got {args.context}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0-65535 (0 = any free port), got {args.port}")
     path = resolve_config(args.config)
     name = _name(args.config, path)
     t0 = time.perf_counter()
@@ -57,7 +62,12 @@ def build(args):
                              "(--checkpoint demo = the bundled demo model)")
         live = load_and_run(DEMO_MODEL if ckpt == "demo" else Path(ckpt), args.prompt)
     out = args.out or Path("out") / "atlas" / name
-    write_site(atlas, out, diff=diff, live=live)
+    if not args.force:
+        check_replaceable(out)
+    # the site appears whole or not at all (a Ctrl-C while writing leaves no half site at --out); a folder
+    # replaced under --force keeps the files the atlas does not write
+    publish_atomically(out, lambda tmp: write_site(atlas, tmp, diff=diff, live=live),
+                       carry_over=lambda entry: args.force)
     return atlas, seconds, out
 
 

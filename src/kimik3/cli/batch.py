@@ -31,6 +31,7 @@ def add_args(parser, source_group) -> None:
                               help="batch mode: one request per line (see kimik3.cli.batch), through the engine")
     parser.add_argument("--output", metavar="FILE.jsonl",
                         help="batch mode: where the results go (one per line; - for standard output)")
+    parser.add_argument("--overwrite", action="store_true", help="batch mode: replace an existing --output file")
     add_engine_args(parser)
 
 
@@ -119,6 +120,7 @@ def run(args) -> int:
 
     if not args.output:
         raise ValueError("--input needs --output FILE.jsonl")
+    check_output(Path(args.input), args.output, args.overwrite)
     config = engine_config(args)
     base = sampling_params(args)
     requests = read_requests(Path(args.input), base)
@@ -147,6 +149,17 @@ def run(args) -> int:
     print(f"{len(outs)} requests, {s['prompt_tokens_total']} prompt tokens ({s['prefix_hit_tokens']} from the prefix "
           f"cache), {s['generation_tokens_total']} generated -> {args.output}", file=sys.stderr)
     return 0
+
+
+def check_output(source: Path, output: str, overwrite: bool) -> None:
+    """Never write the results onto the requests; replace another existing file only when asked."""
+    if output == "-":
+        return
+    out = Path(output)
+    if out.exists() and source.exists() and out.resolve() == source.resolve():
+        raise ValueError(f"--output {output} is the --input file: the results would replace the requests")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"--output {output} exists; pass --overwrite to replace it")
 
 
 def result(rid: str, out, tok) -> dict:

@@ -18,6 +18,8 @@ def add_parser(sub) -> None:
                    help="override a config key with a TOML value, e.g. --set train.steps=50 (repeatable)")
     p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="save and stop after this step, keeping the schedule of train.steps")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per process (default: torch's, or OMP_NUM_THREADS when exported)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--prepare", metavar="OUT_DIR",
                    help="tokenize the input files (text; .jsonl: {\"text\"} or chat {\"messages\"} lines) into a "
@@ -32,6 +34,14 @@ def run(args) -> int:
         return _prepare(args)
     if len(args.inputs) != 1:
         raise ValueError("give exactly one run config: kimik3 train CONFIG.toml")
+    if args.stop_at is not None and args.stop_at < 1:
+        raise ValueError(f"--stop-at must be a step >= 1, got {args.stop_at}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     from kimik3.distributed import shutdown
     from kimik3.train import Trainer, load_train_config
 

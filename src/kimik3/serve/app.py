@@ -4,7 +4,7 @@
     app = build_app(server)                       # /health answers 503 until:
     server.attach(engine, tokenizer)              # (kimik3 serve loads the model after uvicorn is listening)
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics,
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version, GET /metrics,
 POST /tokenize, POST /detokenize, GET /tokenizer_info, POST /reset_prefix_cache. Errors use OpenAI's shape; nothing
 a client sends causes a 5xx.
 """
@@ -26,6 +26,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kimik3 import __version__
 from kimik3.serve.handlers import chat_completion, completion
 from kimik3.serve.metrics import Metrics
 from kimik3.serve.protocol import APIError, parse_chat
@@ -118,15 +119,17 @@ class Server:
             raise APIError(f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
                            status=404, param="model", code="model_not_found")
 
-    def max_tokens(self, prompt_len: int, requested: int | None, default: int | None = None) -> int:
-        """The generation budget; 400 context_length_exceeded when prompt + max_tokens exceed the model length."""
+    def max_tokens(self, prompt_len: int, requested: int | None, default: int | None = None,
+                   prompt_param: str = "messages") -> int:
+        """The generation budget; 400 context_length_exceeded when prompt + max_tokens exceed the model length
+        (`param` is max_tokens, or `prompt_param` when the prompt alone fills the context)."""
         if requested is None:
             requested = default if default is not None else self.max_model_len - prompt_len
         if prompt_len + requested > self.max_model_len or requested < 1:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                            f"requested {prompt_len + max(requested, 0)} tokens ({prompt_len} in the prompt, "
                            f"{max(requested, 0)} for the completion). Reduce the prompt or max_tokens.",
-                           param="max_tokens" if prompt_len < self.max_model_len else "messages",
+                           param="max_tokens" if prompt_len < self.max_model_len else prompt_param,
                            code="context_length_exceeded")
         return requested
 
@@ -187,6 +190,10 @@ def build_app(server: Server) -> FastAPI:
     async def health():
         ready()
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models():

@@ -292,7 +292,7 @@ async def completion(server, http: Request, body: dict):
         if not ids:
             raise APIError("prompt encodes to no tokens", param="prompt")
         budget = server.max_tokens(len(ids), 1 if echo_only else plan.sampling.max_tokens,
-                                   default=_COMPLETION_DEFAULT_MAX_TOKENS)
+                                   default=_COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt")
         budgets.append(budget)
         params = _sampling_params(**sampling_kwargs(plan.sampling, budget, logprobs=plan.logprobs,
                                                     prompt_logprobs=plan.logprobs if plan.echo else None,

@@ -28,8 +28,9 @@ class APIError(Exception):
                  type: str | None = None):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             503: "service_unavailable"}.get(status, "server_error")
+        # any other 4xx (405, 413, 422 ...) is the client's request, as OpenAI and vLLM type it
+        self.type = type or {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}.get(
+            status, "invalid_request_error" if 400 <= status < 500 else "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
@@ -318,6 +319,7 @@ def parse_completion(body: dict, *, defaults: dict[str, Any], vocab_size: int) -
             raise _bad("prompt", "must not be empty")
     # max_tokens 0 with echo: the prompt's logprobs and nothing generated (scoring, as vLLM serves lm-eval)
     sampling = _sampling(body, defaults, vocab_size, least=0)
+    _refuse_unsupported(body, sampling.n)
     logprobs = _number(body, "logprobs", 0, 20, integer=True)
     echo = _bool(body, "echo")
     if sampling.max_tokens == 0 and (not echo or sampling.stream):
@@ -327,3 +329,12 @@ def parse_completion(body: dict, *, defaults: dict[str, Any], vocab_size: int) -
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise _bad("cache_salt", "must be a non-empty string")
     return CompletionPlan(prompts, sampling, echo, logprobs, salt, _bool(body, "skip_special_tokens", True))
+
+
+def _refuse_unsupported(body: dict, n: int) -> None:
+    """Fields of /v1/completions this server does not implement: a 400 naming them, never a silent ignore."""
+    if body.get("suffix") is not None:
+        raise _bad("suffix", "is not supported (no fill-in-the-middle)")
+    best_of = body.get("best_of")
+    if best_of is not None and (isinstance(best_of, bool) or best_of not in (1, n)):
+        raise _bad("best_of", f"is not supported beyond best_of = n ({n}); got {best_of!r}")

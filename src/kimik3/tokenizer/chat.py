@@ -20,12 +20,13 @@ released encoder, an image part without a size and a literal `<|kimi_image_place
 the next of `image_prompts` (the processor's prompts, in order); with `image_prompts=None` (no processor ran) an
 unsized part renders the literal placeholder text and a placeholder in text stays text.
 
-Assistant mask (`encode_chat_with_mask`): which ids an SFT loss trains on. The released code publishes no mask, so
-this is our reading, chosen so training matches inference: an assistant turn's trained ids are exactly what the
-model generates after the generation prompt (`<|open|>message role="assistant"<|sep|>` + the opened `think`, or
-`response` without thinking): its reasoning, `<|close|>think<|sep|><|open|>response<|sep|>`, the content, any
-tool calls, `<|close|>message<|sep|>` and `<|end_of_msg|>` (the stop id, so the model learns to end its turn).
-Everything else (system, user and tool messages, internal system messages, each assistant header) is context.
+Assistant mask (`encode_chat_with_mask`): which ids an SFT loss trains on, as the released tokenizer marks them
+(its `apply_chat_template(..., return_assistant_tokens_mask=True)` sets `assistant_masks` from each segment's
+`is_assistant`): every segment of an assistant turn from its first channel's opener (`<|open|>think<|sep|>`, or
+`<|open|>response<|sep|>` with thinking off) through `<|end_of_msg|>`, openers included: the reasoning, the
+response, any tool calls, `<|close|>message<|sep|>` and `<|end_of_msg|>` (the stop id). Only the turn's header
+`<|open|>message role="assistant"<|sep|>` is unmarked, as are system, user and tool messages, internal system
+messages and the generation prompt.
 """
 
 from __future__ import annotations
@@ -347,9 +348,10 @@ def build_segments(messages: Sequence[dict], *, tools: list | None = None, think
             segs += _message(named, _content(msg.get("content"), f"{where}.content", images))
         elif role == "assistant":
             calls, tool_index = msg.get("tool_calls"), 0
-            generated = _assistant(msg, where, thinking, images) + _close("message") + _special(END_OF_MSG)
-            segs += (_open("message", named) + _open("think" if thinking else "response")
-                     + [seg._replace(trained=True) for seg in generated])
+            # the released tokenizer's assistant mask: the channel opener through <|end_of_msg|>
+            turn = (_open("think" if thinking else "response") + _assistant(msg, where, thinking, images)
+                    + _close("message") + _special(END_OF_MSG))
+            segs += _open("message", named) + [seg._replace(trained=True) for seg in turn]
         else:
             tool_index += 1  # 1-based position among the results rendered since the last assistant turn
             segs += _tool_result(msg, where, tool_index, matched, calls, images)

@@ -21,6 +21,7 @@ a checkpoint written by N ranks resumes on any number of ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -111,10 +112,20 @@ def load_named_optimizer_state(model: nn.Module, optimizers: list[torch.optim.Op
 
 
 def save_checkpoint(root: Path, step: int, model_to_save: nn.Module, k3cfg: K3Config, trainer_state: dict,
-                    keep: int, config_json: dict, *, adapter_only: bool = False) -> Path:
+                    keep: int, config_json: dict, *, adapter_only: bool = False, eos_id: int | None = None) -> Path:
     """Write step folder `step` atomically (rank 0 only), then prune to the newest `keep`. Returns its path.
-    adapter_only: write `model_to_save`'s LoRA adapter (`adapter/`), not its weights."""
+
+    `model/` is a complete model folder: weights, config.json and generation_config.json whose eos_token_id
+    is the run's document separator `eos_id` (what the model learned to end a text with), and the run's
+    tokenizer as `tiktoken.model` (whatever the run's file is called). adapter_only: write `model_to_save`'s
+    LoRA adapter (`adapter/`) instead of the weights."""
     from kimik3.checkpoint import publish_atomically, save
+    from kimik3.checkpoint.folder import copy_durably
+
+    source = _companion_source(config_json)
+    tokenizer = source if source is not None and source.is_file() else None
+    if eos_id is not None:
+        k3cfg = with_eos(k3cfg, eos_id)
 
     def write(tmp: Path) -> None:
         if adapter_only:
@@ -124,7 +135,9 @@ def save_checkpoint(root: Path, step: int, model_to_save: nn.Module, k3cfg: K3Co
                 "checkpoint"))
         else:
             save(model_to_save, tmp / "model", experts="bf16", dtype=torch.float32, config=k3cfg,
-                 source=_companion_source(config_json), quiet=True)
+                 source=None if tokenizer is not None else source, quiet=True)
+            if tokenizer is not None:
+                copy_durably(tokenizer, tmp / "model" / "tiktoken.model")
         with open(tmp / TRAINER_STATE, "wb") as f:
             torch.save(trainer_state, f)
             f.flush()
@@ -137,6 +150,15 @@ def save_checkpoint(root: Path, step: int, model_to_save: nn.Module, k3cfg: K3Co
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old)
     return final
+
+
+def with_eos(cfg: K3Config, eos_id: int) -> K3Config:
+    """`cfg` with eos_token_id = `eos_id` (top level and text_config, as config.json carries it)."""
+    hf = json.loads(json.dumps(cfg.hf))
+    for d in (hf, hf.get("text_config")):
+        if isinstance(d, dict):
+            d["eos_token_id"] = int(eos_id)
+    return dataclasses.replace(cfg, eos_token_id=int(eos_id), hf=hf)
 
 
 def _companion_source(config_json: dict) -> Path | None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,6 +223,9 @@ def open_stream(patterns: Sequence[str], key: str, tokenizer: str | None = None,
     return TokenStream([ids], eos, key, None if mask is None else [mask])
 
 
+_SHARD_FILE = re.compile(r"^(tokens|mask)-\d{5}\.bin$")
+
+
 def prepare_shards(files: Sequence[str], tokenizer: str, out_dir: str | Path, shard_tokens: int = 1 << 28,
                    eos_id: int | None = None) -> Path:
     """Tokenize text files into a shard folder (`tokens-NNNNN.bin` uint32 + meta.json). Returns the folder."""
@@ -247,6 +251,9 @@ def prepare_shards(files: Sequence[str], tokenizer: str, out_dir: str | Path, sh
     if mask is not None:
         meta["mask_files"] = mask_names
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
+    for stale in out.iterdir():  # shards of an earlier, longer preparation into the same folder
+        if _SHARD_FILE.match(stale.name) and stale.name not in names and stale.name not in mask_names:
+            stale.unlink()
     return out
 
 

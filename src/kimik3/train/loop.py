@@ -15,6 +15,7 @@ import contextlib
 import random
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -89,6 +90,8 @@ class Trainer:
         self.step = 0
         if resume is not None:
             self._restore(resume)
+            if self.env.is_main:  # said with or without a progress bar: the run did not start over
+                print(f"kimik3 train: resumed from step {self.step} ({resume})", file=sys.stderr, flush=True)
         self.metrics = MetricsLog(Path(cfg.out_dir) / "metrics.jsonl", self.env.is_main,
                                   self.step if resume is not None else None)
         self.progress_enabled = progress and cfg.log.progress and self.env.is_main
@@ -184,7 +187,8 @@ class Trainer:
                      "world_size": self.env.world_size}
             path = ckpt.save_checkpoint(self.root, self.step, model_to_save, self.k3cfg, state,
                                         self.cfg.checkpoint.keep, self.cfg.to_dict(),
-                                        adapter_only=self.cfg.lora is not None)
+                                        adapter_only=self.cfg.lora is not None,
+                                        eos_id=self.train_rows.stream.eos_id)
         barrier()
         return path
 
