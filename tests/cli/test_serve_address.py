@@ -48,3 +48,18 @@ def test_ctrl_c_while_the_model_loads_exits_130_quietly():
     out = "".join(lines) + proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "terminate called" not in out, out
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1, got 0"),
+    (["--max-model-len", "-5"], "--max-model-len must be an integer >= 2"),
+    (["--max-num-batched-tokens", "8"], "--max-num-batched-tokens must be an integer >= 64"),
+    (["--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's 4096 positions"),
+    (["--threads", "0"], "--threads must be at least 1"),
+])
+def test_every_engine_flag_is_checked_before_anything_starts(flags, says, capsys):
+    """One error line naming the flag, status 2, before uvicorn starts or the model loads (a bad value used to
+    start the server and log a traceback, or was accepted: --max-model-len 100000 on the 4,096-position demo)."""
+    assert main(["serve", "--port", str(free_port()), *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
