@@ -27,6 +27,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 import kimik3
 from kimik3.inference import SamplingParams
 from kimik3.inference.engine import Engine, Request
+from kimik3.inference.engine.request import accumulate
 from kimik3.tokenizer import Tokenizer
 
 
@@ -87,15 +88,13 @@ class KimiK3LM(TemplateLM):
         return self.tok.decode(list(ids))
 
     def _run(self, requests: list[Request]) -> dict[str, object]:
-        """Run engine requests to the end; request id -> its final RequestOutput."""
-        done = {}
+        """Run engine requests to the end; request id -> its whole output (the steps' deltas accumulated)."""
+        done: dict = {}
         pending = list(requests)
         while pending or self.engine.has_unfinished():
             while pending and len(self.engine.requests) < self.batch_size:
                 self.engine.add_request(pending.pop(0))
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+            accumulate(done, self.engine.step())
         return done
 
     def token_logprobs(self, sequences: list[list[int]]) -> dict[tuple[int, ...], list[tuple[float, bool]]]:

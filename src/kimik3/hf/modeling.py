@@ -25,6 +25,7 @@ from kimik3.checkpoint.hub import resolve
 from kimik3.hf.cache import KimiK3Cache
 from kimik3.hf.config import KimiK3Config
 from kimik3.model import K3ForConditionalGeneration
+from kimik3.model.cache import cached_hidden
 from kimik3.model.decoder import DecoderLayer
 
 # from_pretrained keywords transformers' auto classes pass along, which a kimik3 load has no use for
@@ -214,7 +215,9 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
             new_mask = None
         embeds = (K3ForConditionalGeneration.embed(self, input_ids, pixel_values, grid_thws)
                   if pixel_values is not None else None)
-        return self.language_model.model(input_ids, cache=state, attention_mask=new_mask, inputs_embeds=embeds)
+        if state is None:
+            return self.language_model.model(input_ids, inputs_embeds=embeds)
+        return cached_hidden(self.language_model, input_ids, state, new_mask, embeds)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                                       max_cache_length: int) -> None:

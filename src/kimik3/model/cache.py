@@ -59,10 +59,10 @@ class Cache:
         return self.pool.nbytes()
 
 
-def forward_with_cache(lm, input_ids: Tensor, cache: Cache, attention_mask: Tensor | None,
-                       inputs_embeds: Tensor | None) -> Tensor:
-    """`lm(input_ids, cache=...)`: pack each row's kept tokens into one step, run it, unpack the logits to
-    [B, T, Vocab] (zeros where the mask is 0)."""
+def cached_hidden(lm, input_ids: Tensor, cache: Cache, attention_mask: Tensor | None,
+                  inputs_embeds: Tensor | None) -> Tensor:
+    """The final hidden state [B, T, D] of `lm(input_ids, cache=...)`: each row's kept tokens packed into one
+    step and run, then unpacked (zeros where the mask is 0, so the untied, bias-free head gives zero logits)."""
     B, T = input_ids.shape
     if B != cache.batch_size:
         raise ValueError(f"the cache was made for {cache.batch_size} rows, input_ids has {B}")
@@ -72,14 +72,13 @@ def forward_with_cache(lm, input_ids: Tensor, cache: Cache, attention_mask: Tens
     lens = [T] * B if keep_BT is None else keep_BT.sum(1).tolist()
     step, rows = cache.step(lens)
     if step is None:
-        return lm.lm_head.weight.new_zeros(B, T, lm.config.vocab_size)
+        return lm.lm_head.weight.new_zeros(B, T, lm.config.hidden_size)
     keep = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
     keep[rows] = True if keep_BT is None else keep_BT[rows]
     embeds = None if inputs_embeds is None else inputs_embeds[keep][None]
-    h_1TD = lm.model(input_ids[keep][None], state=cache.pool, step=step, inputs_embeds=embeds)
-    logits = lm.lm_head(h_1TD)[0]
-    out = logits.new_zeros(B, T, logits.shape[-1])
-    out[keep] = logits
+    h_TD = lm.model(input_ids[keep][None], state=cache.pool, step=step, inputs_embeds=embeds)[0]
+    out = h_TD.new_zeros(B, T, h_TD.shape[-1])
+    out[keep] = h_TD
     return out
 
 

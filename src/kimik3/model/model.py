@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.config import K3Config, TextConfig
-from kimik3.model.cache import Cache, forward_with_cache
+from kimik3.model.cache import Cache, cached_hidden
 from kimik3.model.decoder import DecoderLayer, depth_mix
 from kimik3.model.init import init_weights
 from kimik3.model.norm import RMSNorm
@@ -97,7 +97,7 @@ class K3ForCausalLM(nn.Module):
             if cu_seqlens is not None or state is not None:
                 raise ValueError("cache= runs alone: cu_seqlens packs documents for forwards without state, and "
                                  "state/step are the engine's form")
-            return forward_with_cache(self, input_ids, cache, attention_mask, inputs_embeds)
+            return self.lm_head(cached_hidden(self, input_ids, cache, attention_mask, inputs_embeds))
         if attention_mask is not None:
             raise ValueError("attention_mask marks the tokens to append to a cache; pack documents with cu_seqlens "
                              "instead")
