@@ -9,6 +9,8 @@ Legend: B batch, T tokens, D hidden, Vocab vocabulary.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -50,11 +52,14 @@ class K3TextModel(nn.Module):
         if state is not None and (cu_seqlens is not None or input_ids.shape[0] != 1):
             raise ValueError("a step packs its sequences in one row [1, T] (its own boundaries); cu_seqlens is "
                              "for forwards without state")
-        h_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        blocks = h_BTD.new_empty(0, *h_BTD.shape)
-        for i, layer in enumerate(self.layers):
-            h_BTD, blocks = layer(h_BTD, blocks, cu_seqlens, state.layers[i] if state is not None else None, step)
-        return self.norm(depth_mix(blocks, h_BTD, self.output_attn_res_norm, self.output_attn_res_proj))
+        # a cached forward writes the state in place: inference only, it records no autograd graph
+        with torch.no_grad() if state is not None else contextlib.nullcontext():
+            h_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            blocks = h_BTD.new_empty(0, *h_BTD.shape)
+            for i, layer in enumerate(self.layers):
+                h_BTD, blocks = layer(h_BTD, blocks, cu_seqlens, state.layers[i] if state is not None else None,
+                                      step)
+            return self.norm(depth_mix(blocks, h_BTD, self.output_attn_res_norm, self.output_attn_res_proj))
 
 
 class K3ForCausalLM(nn.Module):
