@@ -69,13 +69,42 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
 
 
-def run_engine(engine: Engine, reqs) -> float:
-    """Generated tokens per second, all requests submitted at once."""
+def run_engine(engine: Engine, reqs, steps: list | None = None) -> float:
+    """Generated tokens per second, all requests submitted at once. `steps`, when given, receives each engine
+    step's (seconds, sequences, packed tokens): a step returns its sampled tokens, so it ends synchronized."""
     sync()
+    inner_step, inner_schedule, shape = engine.step, engine.scheduler.schedule, [0, 0]
+    if steps is not None:
+        def schedule():
+            chunks = inner_schedule()
+            shape[:] = [len(chunks), sum(c.num_tokens for c in chunks)]
+            return chunks
+
+        def step():
+            t = time.perf_counter()
+            out = inner_step()
+            steps.append((time.perf_counter() - t, *shape))
+            return out
+
+        engine.step, engine.scheduler.schedule = step, schedule
     t0 = time.perf_counter()
-    outs = engine.generate([p for p, _ in reqs], [greedy(n) for _, n in reqs])
-    sync()
+    try:
+        outs = engine.generate([p for p, _ in reqs], [greedy(n) for _, n in reqs])
+        sync()
+    finally:
+        engine.step, engine.scheduler.schedule = inner_step, inner_schedule
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def fresh_profile(fresh: list, warm: list, top: int = 8) -> dict:
+    """Where a fresh pass loses to the warm one over the same schedule: per step, fresh minus warm time."""
+    same = len(fresh) == len(warm) and all(f[1:] == w[1:] for f, w in zip(fresh, warm))
+    excess = sorted(((f[0] - w[0], i, f[1], f[2], f[0], w[0]) for i, (f, w) in enumerate(zip(fresh, warm))),
+                    reverse=True)[:top]
+    return {"same_schedule": same, "steps": len(fresh), "fresh_s": sum(f[0] for f in fresh),
+            "warm_s": sum(w[0] for w in warm),
+            "slowest": [{"step": i, "sequences": n, "tokens": t, "fresh_ms": 1e3 * a, "warm_ms": 1e3 * b}
+                        for _, i, n, t, a, b in excess]}
 
 
 def run_static(engine: Engine, reqs, batch: int) -> float:
@@ -247,14 +276,22 @@ def mixed_row(model, s, vocab, graphs, results, rows, mode) -> None:
     engine = Engine(model, max_num_seqs=s["requests"], max_num_batched_tokens=s["budget"],
                     max_model_len=longest + 64, enable_prefix_cache=True, warmup=True)
     warm_s = time.perf_counter() - t0
-    fresh = run_engine(engine, reqs)  # the first requests this engine serves: whatever warm-up left out shows here
+    fresh_steps, warm_steps = [], []
+    # the first requests this engine serves: whatever warm-up left out shows here
+    fresh = run_engine(engine, reqs, fresh_steps)
     engine.reset_prefix_cache()
-    cont = run_engine(engine, reqs)
+    cont = run_engine(engine, reqs, warm_steps)
+    prof = fresh_profile(fresh_steps, warm_steps)
+    print(f"fresh pass {prof['fresh_s']:.2f} s vs warm {prof['warm_s']:.2f} s over {prof['steps']} steps "
+          f"(same schedule: {prof['same_schedule']}); the steps the fresh pass lost most on:", flush=True)
+    for r in prof["slowest"]:
+        print(f"  step {r['step']}: {r['sequences']} sequences, {r['tokens']} tokens: {r['fresh_ms']:.1f} ms fresh, "
+              f"{r['warm_ms']:.1f} ms warm", flush=True)
     static_engine = Engine(model, max_num_seqs=s["static_batch"], max_num_batched_tokens=s["budget"],
                            max_model_len=longest + 64, enable_prefix_cache=False, warmup=True)
     static = run_static(static_engine, reqs, s["static_batch"])
     results["mixed"] = {"engine_tokens_per_s": cont, "fresh_tokens_per_s": fresh, "static_tokens_per_s": static,
-                        "ratio": cont / static, "fresh_ratio": fresh / static, "warmup_s": warm_s,
+                        "ratio": cont / static, "fresh_ratio": fresh / static, "warmup_s": warm_s, "fresh_profile": prof,
                         "engine_stats": engine.stats}
     rows.append([f"mixed, {s['requests']} requests (tokens/s): fresh / warm", f"{fresh:,.1f} / {cont:,.1f}",
                  f"{static:,.1f}", f"{fresh / static:.2f}x / {cont / static:.2f}x",

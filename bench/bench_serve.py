@@ -95,7 +95,7 @@ def synthetic_tokenizer(vocab_size: int):
 def build_slice_engine(check: bool = False):
     from bench.build import experts_backend_of, materialize
     from bench.common import smoke_config
-    from kimik3.inference.engine import Engine
+    from kimik3.inference.engine import Engine, EngineConfig
     from kimik3.model import K3ForCausalLM
     from kimik3.presets import load_config
 
@@ -105,8 +105,9 @@ def build_slice_engine(check: bool = False):
     model = materialize(model).eval()
     experts_backend_of(model)  # Humming's layout where `kimik3 serve` would pick it (both sides of the comparison)
     tok = synthetic_tokenizer(cfg.vocab_size)
-    engine = Engine(model, max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=2048,
-                    eos_token_ids=(tok.eos_id,), model_id="bench-slice-12")
+    # `kimik3 serve`'s defaults: EngineConfig() (64 sequences, 2,048 tokens a step, max_model_len = the config's
+    # 1,048,576 positions) with the warm-up it runs before /health answers
+    engine = Engine(model, EngineConfig(warmup=True), eos_token_ids=(tok.eos_id,), model_id="bench-slice-12")
     return engine, tok, cfg.vocab_size
 
 
@@ -192,6 +193,7 @@ class _StepClock:
     def __init__(self, engine):
         self.engine, self.inner = engine, engine.step
         self.steps, self.in_step, self.between, self.last_end = 0, 0.0, 0.0, None
+        self.longest = 0.0  # the longest step() so far, in seconds
         self.running: tuple[int, float] | None = None  # (thread id, start) of the step in progress
         self.slow: list[tuple] = []  # (step index, sequences, packed tokens, seconds) of each slow step
         self.stacks: collections.Counter = collections.Counter()  # innermost frames -> samples
@@ -220,6 +222,7 @@ class _StepClock:
         self.last_end = t1 = time.perf_counter()
         self.steps += 1
         self.in_step += t1 - t0
+        self.longest = max(self.longest, t1 - t0)
         if t1 - t0 > self.SLOW_STEP_S:
             self.slow.append((self.steps, *self.shape, round(t1 - t0, 3)))
         return outs
@@ -244,7 +247,7 @@ class _StepClock:
             self.stacks[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(inner))] += 1
 
     def snapshot(self) -> dict:
-        return {"steps": self.steps, "in_step_s": self.in_step, "between_s": self.between,
+        return {"steps": self.steps, "in_step_s": self.in_step, "between_s": self.between, "longest_s": self.longest,
                 "loop_cpu_s": time.thread_time(),  # called on the event loop thread
                 "slow_steps": list(self.slow), "stall_stacks": dict(self.stacks)}
 
@@ -271,12 +274,42 @@ def serve_child(port: int, check: bool, host: bool = False) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
+def _spawn(args: list[str], **env_extra: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", ".", os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", ".", os.environ.get("PYTHONPATH", "")]), **env_extra}
     proc = subprocess.Popen([sys.executable, *args, "--port", str(port)], env=env,
                             cwd=Path(__file__).resolve().parents[1])
     return proc, f"http://127.0.0.1:{port}"
+
+
+def fresh_serve(check: bool, concurrency: int = 64) -> dict:
+    """A fresh server: the child starts with an empty Triton cache (nothing compiled or autotuned, as on a new
+    machine), warms up before /health answers (what `kimik3 serve` does), then meets `concurrency` streams at once
+    (fresh) and the same load again (warm). Returns seconds to ready, both runs' statistics and the longest
+    step after ready."""
+    import tempfile
+
+    g = torch.Generator().manual_seed(1)
+    prompt_len, output_len = (32, 8) if check else (SLICE_PROMPT, SLICE_OUTPUT)
+    fresh, warm = ([torch.randint(0, 1000, (prompt_len,), generator=g).tolist() for _ in range(2 * concurrency)]
+                   for _ in range(2))
+    with tempfile.TemporaryDirectory() as cache:
+        t0 = time.perf_counter()
+        proc, url = _spawn([__file__, "--child"] + (["--check"] if check else []), TRITON_CACHE_DIR=cache)
+        try:
+            _wait_ready(url, proc)
+            ready_s = time.perf_counter() - t0
+            out = {"ready_s": ready_s}
+            for name, prompts in (("fresh", fresh), ("warm", warm)):
+                before = _get_json(f"{url}/bench_clock")
+                out[name] = r = asyncio.run(run_http(url, prompts, concurrency, output_len))
+                r.update(_per_step(before, after := _get_json(f"{url}/bench_clock")))
+                r["longest_step_s"] = after["longest_s"]  # since ready: warm-up ran before the clock
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    out["ttft_p99_fresh_over_warm"] = out["fresh"]["ttft_p99_ms"] / out["warm"]["ttft_p99_ms"]
+    return out
 
 
 def main(smoke: bool, check: bool, host: bool, levels: tuple[int, ...] = SLICE_LEVELS) -> int:
@@ -303,6 +336,14 @@ def main(smoke: bool, check: bool, host: bool, levels: tuple[int, ...] = SLICE_L
         write_json("bench_serve_smoke", {"env": environment(), "results": results})
         return 1 if any(r["failed"] or not r["requests"] for r in results.values()) else 0
 
+    if not host:  # first, before this process compiles anything into the shared Triton cache
+        results["fresh serve"] = f = fresh_serve(check, max(levels))
+        table(f"fresh server (empty Triton cache, warm-up before ready), {max(levels)} streams",
+              ["run", "TTFT p50 / p99 ms", "output tok/s", "longest step since ready s"],
+              [[name, f"{f[name]['ttft_p50_ms']:.1f} / {f[name]['ttft_p99_ms']:.1f}",
+                f"{f[name]['tokens_per_s']:,.0f}", f"{f[name]['longest_step_s']:.3f}"] for name in ("fresh", "warm")]
+              + [["ready after", f"{f['ready_s']:.1f} s", "", ""],
+                 ["TTFT p99 fresh / warm", f"{f['ttft_p99_fresh_over_warm']:.2f}x", "", ""]])
     prompt_len, output_len = (32, 8) if check else (SLICE_PROMPT, SLICE_OUTPUT)
     engine = HostEngine() if host else build_slice_engine(check)[0]
     clock = _StepClock(engine)

@@ -18,6 +18,10 @@ export PYTHONPATH="/tmp/site:$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNB
 if ! python3 -c "import fla" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
+# the serve stack and the load generator (bench_serve), from .whl/serve/ when the image lacks them
+if ! python3 -c "import fastapi, aiohttp" 2>/dev/null && ls .whl/serve/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/serve/*.whl
+fi
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 [ -f .whl/tune.tgz ] && mkdir -p "$cache" && tar xzf .whl/tune.tgz -C "$cache"
 for spec in "$@"; do

@@ -358,3 +358,46 @@ def test_relayout_experts_gpu(k3_config, monkeypatch, set_moe):
         out = m(x)
     assert torch.equal(out, two_copies)
     assert rel_err(out, ref) < 1e-2
+
+
+def test_tiling_token_counts_meet_every_tile_config(monkeypatch):
+    """With a stand-in for Humming's heuristics (tiles change at row counts 48, 200 and 900), the counts cover every
+    config a call of 1..max_tokens tokens picks, and every routing-table size, each at its smallest count."""
+    from kimik3.ops.moe import humming
+
+    bounds = (48, 200, 900)
+    monkeypatch.setattr(humming, "_tuning", lambda layer, rows, device: (str(sum(rows > b for b in bounds)), 16))
+    relaid = humming.Relaid(None, None, 8, 64)
+    counts = humming.tiling_token_counts(relaid, 100, 4, torch.device("cpu"))
+    assert counts == sorted(counts) and counts[0] == 1
+    key = lambda n: (sum(4 * n > b for b in bounds), max(16, 1 << (4 * n - 1).bit_length())  # noqa: E731
+                     if 4 * n <= humming.FUSED_TABLES_MAX_ROWS else 0)
+    assert {key(n) for n in counts} == {key(n) for n in range(1, 101)}
+    assert len({key(n) for n in counts}) == len(counts)
+    assert all(key(n) not in {key(m) for m in range(1, n)} for n in counts)  # the smallest count of each
+
+
+@gpu
+@requires_cuda
+@needs_humming
+def test_warm_relaid_leaves_nothing_to_compile_gpu(monkeypatch):
+    """After `warm_relaid` up to 512 tokens, calls at other token counts up to 512 meet only compiled kernels
+    (Humming's in-process kernel cache gains no entry)."""
+    from humming.kernel.humming import HummingKernel
+
+    from kimik3.ops.moe import humming
+
+    monkeypatch.setattr(HummingKernel, "_str2kernel_cache", {})
+    gen = torch.Generator().manual_seed(3)
+    E, A = K3_DIMS["E"], 16
+    packed, scales = mx_experts(E, K3_DIMS["L"], K3_DIMS["F"], gen, device="cuda")
+    relaid = humming.relayout(packed, scales)
+    calls = moe.warm_relaid(relaid, 512, A, torch.bfloat16, torch.device("cuda"))
+    compiled = set(HummingKernel._str2kernel_cache)
+    print(f"warm_relaid: {calls} calls, {len(compiled)} kernels")
+    assert calls >= 2 and compiled
+    for n in torch.randint(1, 513, (40,), generator=gen).tolist():
+        z = torch.randn(n, K3_DIMS["L"], generator=gen).bfloat16().cuda()
+        idx, tw = routing(n, A, E, gen, device="cuda")
+        humming.routed_experts_relaid(z, idx, tw, relaid, BETA, LINEAR_BETA)
+    assert set(HummingKernel._str2kernel_cache) == compiled

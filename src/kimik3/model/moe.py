@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from kimik3.config import TextConfig
 from kimik3.model.mlp import MLP
 from kimik3.model.norm import RMSNorm
-from kimik3.ops.moe import routed_experts, routed_experts_mxfp4, routed_experts_relaid
+from kimik3.ops.moe import routed_experts, routed_experts_mxfp4, routed_experts_relaid, warm_relaid
 from kimik3.ops.mxfp4 import packed_shapes
 from kimik3.ops.router import route, router_logits
 
@@ -125,3 +125,20 @@ class LatentMoE(nn.Module):
             r_NL = self.routed_expert_norm(r_NL)
         out_ND = self.routed_expert_up_proj(r_NL) + self.shared_experts(x_ND)
         return out_ND.view(x.shape)
+
+
+def warm_experts(model: nn.Module, max_tokens: int) -> int:
+    """Compile the routed-expert kernels every step of up to `max_tokens` tokens meets (Humming's tile configs,
+    `kimik3.ops.moe.warm_relaid`), once per distinct expert shape (the compiled kernels are shared by the layers);
+    returns the calls made (0: no experts in Humming's layout, nothing compiles per row count)."""
+    done, calls = set(), 0
+    for m in model.modules():
+        if isinstance(m, LatentMoE) and isinstance(m.experts, RelaidExperts):
+            r = m.experts.relaid
+            key = (r.num_experts, r.width, m.gate.top_k)
+            if key not in done:
+                done.add(key)
+                w = m.routed_expert_down_proj.weight
+                calls += warm_relaid(r, max_tokens, m.gate.top_k, w.dtype, w.device)
+    return calls
+

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.inference.engine.scheduler import Chunk
+from kimik3.model.moe import warm_experts
 from kimik3.model.state import StatePool
 from kimik3.model.step import build_step, decode_step
 
@@ -115,6 +116,7 @@ class ModelRunner:
         """Run each shape the engine meets once on the scratch rows, so nothing compiles or autotunes after it:
         a prefill chunk per power of two up to `max_tokens` (the expanded and the latent attention), alone and
         with decode rows beside it (the graphs ran when they were captured)."""
+        warm_experts(self.model, max_tokens)  # steps carry at most max_tokens (chunks and decode rows)
         scratch, Bs, n = self.pool.scratch_slot, self.pool.block_size, 1
         while n <= max_tokens:
             for lens in ([n], [n, 1, 1]):

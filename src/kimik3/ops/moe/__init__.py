@@ -117,6 +117,22 @@ def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, rela
     return humming.routed_experts_relaid(z, topk_idx, topk_weight, relaid, beta, linear_beta)
 
 
+def warm_relaid(relaid, max_tokens: int, top_k: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Compile every Humming kernel that `routed_experts_relaid` on these experts meets for calls of up to
+    `max_tokens` tokens (`humming.tiling_token_counts`), by one call at each count on zero inputs; returns the
+    number of calls. An engine runs this in its warm-up: otherwise a step whose routed-row count falls in a new
+    tile config waits seconds for a JIT compile."""
+    from kimik3.ops.moe import humming
+
+    counts = humming.tiling_token_counts(relaid, max_tokens, top_k, device)
+    L, E = relaid.w2.config.shape_n, relaid.num_experts
+    for n in counts:
+        z = torch.zeros(n, L, dtype=dtype, device=device)
+        idx = (torch.arange(n * top_k, device=device) % E).view(n, top_k)
+        humming.routed_experts_relaid(z, idx, torch.full((n, top_k), 1 / top_k, device=device), relaid, 1.0, 0.0)
+    return len(counts)
+
+
 MXFP4_BACKENDS = MOE_BACKENDS
 
 

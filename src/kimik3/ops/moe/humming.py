@@ -289,3 +289,20 @@ def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, rela
     _combine_kernel[(N, triton.cdiv(L, bl))](y, topk_weight.float().contiguous(), out, A=A, L=L, BL=bl,
                                               INTERPRET=interpret, num_warps=4)
     return out
+
+
+def tiling_token_counts(relaid: Relaid, max_tokens: int, top_k: int, device: torch.device) -> list[int]:
+    """Token counts in 1..max_tokens that between them meet every kernel a call of up to `max_tokens` tokens
+    compiles: the smallest count at which the routed rows (tokens x top_k) pick each distinct pair of Humming
+    tile configs (its heuristics change tiles at many row counts, each a JIT compile of seconds on first use),
+    and each power of two up to FUSED_TABLES_MAX_ROWS rows (the routing-table kernel's sizes)."""
+    seen, counts = set(), []
+    for n in range(1, max_tokens + 1):
+        M = n * top_k
+        key = (_tuning(relaid.w13, M, device)[0], _tuning(relaid.w2, M, device)[0],
+               max(16, triton.next_power_of_2(M)) if M <= FUSED_TABLES_MAX_ROWS else 0)
+        if key not in seen:
+            seen.add(key)
+            counts.append(n)
+    return counts
+
