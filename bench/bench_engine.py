@@ -291,7 +291,8 @@ def mixed_row(model, s, vocab, graphs, results, rows, mode) -> None:
                            max_model_len=longest + 64, enable_prefix_cache=False, warmup=True)
     static = run_static(static_engine, reqs, s["static_batch"])
     results["mixed"] = {"engine_tokens_per_s": cont, "fresh_tokens_per_s": fresh, "static_tokens_per_s": static,
-                        "ratio": cont / static, "fresh_ratio": fresh / static, "warmup_s": warm_s, "fresh_profile": prof,
+                        "ratio": cont / static, "fresh_ratio": fresh / static, "warmup_s": warm_s,
+                        "fresh_profile": prof,
                         "engine_stats": engine.stats}
     rows.append([f"mixed, {s['requests']} requests (tokens/s): fresh / warm", f"{fresh:,.1f} / {cont:,.1f}",
                  f"{static:,.1f}", f"{fresh / static:.2f}x / {cont / static:.2f}x",
