@@ -274,40 +274,41 @@ def serve_child(port: int, check: bool, host: bool = False) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def _spawn(args: list[str], **env_extra: str) -> tuple[subprocess.Popen, str]:
+def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", ".", os.environ.get("PYTHONPATH", "")]), **env_extra}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", ".", os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, *args, "--port", str(port)], env=env,
                             cwd=Path(__file__).resolve().parents[1])
     return proc, f"http://127.0.0.1:{port}"
 
 
 def fresh_serve(check: bool, concurrency: int = 64) -> dict:
-    """A fresh server: the child starts with an empty Triton cache (nothing compiled or autotuned, as on a new
-    machine), warms up before /health answers (what `kimik3 serve` does), then meets `concurrency` streams at once
-    (fresh) and the same load again (warm). Returns seconds to ready, both runs' statistics and the longest
-    step after ready."""
-    import tempfile
-
+    """A fresh server process: it warms up before /health answers (what `kimik3 serve` does), then meets
+    `concurrency` streams at once (fresh) and the same load again (warm). Returns seconds to ready, both runs'
+    statistics and the longest step after ready. Run first in the bench, so nothing of this process has compiled
+    into the machine's caches (on the device: Triton's holds only the restored autotune choices, no kernels;
+    Humming's is empty). A Triton cache emptied too would make fla autotune each kernel at each warm-up shape:
+    measured over 230 s before ready on the H200, a one-time cost of a new machine, not of a new process."""
     g = torch.Generator().manual_seed(1)
     prompt_len, output_len = (32, 8) if check else (SLICE_PROMPT, SLICE_OUTPUT)
     fresh, warm = ([torch.randint(0, 1000, (prompt_len,), generator=g).tolist() for _ in range(2 * concurrency)]
                    for _ in range(2))
-    with tempfile.TemporaryDirectory() as cache:
-        t0 = time.perf_counter()
-        proc, url = _spawn([__file__, "--child"] + (["--check"] if check else []), TRITON_CACHE_DIR=cache)
-        try:
-            _wait_ready(url, proc)
-            ready_s = time.perf_counter() - t0
-            out = {"ready_s": ready_s}
-            for name, prompts in (("fresh", fresh), ("warm", warm)):
-                before = _get_json(f"{url}/bench_clock")
-                out[name] = r = asyncio.run(run_http(url, prompts, concurrency, output_len))
-                r.update(_per_step(before, after := _get_json(f"{url}/bench_clock")))
-                r["longest_step_s"] = after["longest_s"]  # since ready: warm-up ran before the clock
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    t0 = time.perf_counter()
+    proc, url = _spawn([__file__, "--child"] + (["--check"] if check else []))
+    try:
+        _wait_ready(url, proc)
+        out = {"ready_s": time.perf_counter() - t0}
+        print(f"fresh server ready after {out['ready_s']:.1f} s", flush=True)
+        for name, prompts in (("fresh", fresh), ("warm", warm)):
+            before = _get_json(f"{url}/bench_clock")
+            out[name] = r = asyncio.run(run_http(url, prompts, concurrency, output_len))
+            r.update(_per_step(before, after := _get_json(f"{url}/bench_clock")))
+            r["longest_step_s"] = after["longest_s"]  # since ready: warm-up ran before the clock
+            print(f"  {name}: TTFT p99 {r['ttft_p99_ms']:.1f} ms, longest step {r['longest_step_s']:.3f} s",
+                  flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
     out["ttft_p99_fresh_over_warm"] = out["fresh"]["ttft_p99_ms"] / out["warm"]["ttft_p99_ms"]
     return out
 
