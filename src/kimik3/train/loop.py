@@ -1,6 +1,6 @@
 """The training loop: build everything from a TrainConfig, resume, run steps, evaluate, log, checkpoint.
 
-    trainer = Trainer(load_train_config("configs/train/tiny.toml"))
+    trainer = Trainer(load_train_config("tiny"))   # a shipped preset, or a TOML file
     trainer.run()            # "done", "interrupted" (Ctrl-C / SIGTERM: saved after the current step), "stopped"
 
 A run lives in `out_dir`: `checkpoints/step-*/` (see checkpointing.py) and `metrics.jsonl`. Starting again
