@@ -68,7 +68,7 @@ def test_presets_and_demo_model_are_package_data():
 def test_pyproject_declares_package_data_extras_and_tomli():
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     data = meta["tool"]["setuptools"]["package-data"]["kimik3"]
-    assert {"py.typed", "configs/*.json", "demo/k3-shakespeare/*"} <= set(data)
+    assert {"py.typed", "configs/*.json", "configs/train/*", "demo/k3-shakespeare/*"} <= set(data)
     assert (PACKAGE_DIR / "py.typed").is_file()
     assert "fla-core==0.6.0" in meta["project"]["optional-dependencies"]["gpu"]
     assert any(d.startswith("tomli") and "python_version < '3.11'" in d for d in meta["project"]["dependencies"])
@@ -137,5 +137,8 @@ def test_installed_package_runs_outside_the_repository(fresh_venv, how, tmp_path
         assert '"quantization": true' in sh([str(py), "-c", SAVE_TINY], run_dir)
         text = sh([kimik3_bin, "generate", "--prompt", "ROMEO:"], run_dir)  # the README's first command
         assert text.startswith("ROMEO:") and len(text) > 40, text
+        # the training presets ship too: the README's training run needs no clone (one step here)
+        sh([kimik3_bin, "train", "tiny", "--stop-at", "1", "--no-progress"], run_dir)
+        assert (run_dir / "out/tiny-train/checkpoints/step-00000001/model/tiktoken.model").is_file()
     finally:
         sh([str(py), "-m", "pip", "uninstall", "-q", "-y", "kimik3"], tmp_path)

@@ -1,10 +1,12 @@
-"""README.md runs: every fenced block is executed, found generically, so a section added later is covered.
+"""README.md and docs/*.md run: every fenced block is executed, found generically, so a page or section added later
+is covered.
 
     ```python     run as one script
     ```bash       each command line in turn (a line ending in `\\` continues), in one scratch folder per block
     ```text       output: with `<!-- readme: output of COMMAND -->` on the line above, each number it writes with
                   thousands separators must be in COMMAND's output (the block may abridge the table around
                   them); a block without such numbers must appear line by line (whitespace collapsed)
+    ```toml       a run-file fragment: valid TOML whose every table and key is one the trainer's run file knows
     any block     opts out only with `<!-- readme: skip, REASON -->` on the line above; the reason is required
 
 The README's placeholders are the bundled demo model: `path/to/Kimi-K3`, `path/to/ckpt` -> its folder,
@@ -37,6 +39,7 @@ from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 PLACEHOLDERS = {"path/to/Kimi-K3": str(DEMO_MODEL), "path/to/ckpt": str(DEMO_MODEL),
                 "path/to/tiktoken.model": str(DEMO_MODEL / "tiktoken.model")}
 MARKER = re.compile(r"^<!--\s*readme:\s*(skip|output of)\b[,:]?\s*(.*?)\s*-->$")
@@ -52,13 +55,18 @@ class Block:
     lang: str
     code: str
     marker: tuple[str, str] | None  # ("skip", reason) or ("output of", command)
+    page: str = "README.md"  # the file, relative to the repository
 
     @property
     def id(self) -> str:
-        return f"{self.lang or 'plain'}-L{self.line}"
+        return f"{Path(self.page).stem}-{self.lang or 'plain'}-L{self.line}"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
-def blocks(text: str) -> list[Block]:
+def blocks(text: str, page: str = "README.md") -> list[Block]:
     out, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         m = re.match(r"^(`{3,})(\S*)\s*$", lines[i])
@@ -70,16 +78,21 @@ def blocks(text: str) -> list[Block]:
         while i < len(lines) and lines[i].strip() != fence:
             i += 1
         if i == len(lines):
-            raise ValueError(f"README.md:{start + 1}: unclosed code fence")
+            raise ValueError(f"{page}:{start + 1}: unclosed code fence")
         prev = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         mm = MARKER.match(prev)
         out.append(Block(start + 1, m.group(2), "\n".join(lines[start + 1:i]) + "\n",
-                         (mm.group(1), mm.group(2)) if mm else None))
+                         (mm.group(1), mm.group(2)) if mm else None, page))
         i += 1
     return out
 
 
-BLOCKS = blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [b for page in PAGES for b in blocks(page.read_text(encoding="utf-8"), str(page.relative_to(REPO)))]
+
+
+def page_blocks(name: str) -> list[Block]:
+    """The blocks of one page (`README.md`, `docs/model.md`)."""
+    return [b for b in BLOCKS if b.page == name]
 
 
 def of(kind: str) -> list[Block]:
@@ -176,21 +189,22 @@ def shortened(cmd: str, steps: dict[str, int]) -> str:
 
 
 def test_every_block_runs_or_says_why_not():
-    assert BLOCKS, "README.md has no code blocks"
+    assert {b.page for b in BLOCKS} >= {"README.md", "docs/model.md", "docs/training.md"}, "pages without blocks"
     for b in BLOCKS:
-        where = f"README.md:{b.line}"
+        where = b.where
         if b.marker and b.marker[0] == "skip":
             assert len(b.marker[1].split()) >= 3, f"{where}: a skipped block needs its reason (skip, REASON)"
         elif b.marker:
             assert b.lang == "text" and b.marker[1], f"{where}: an output block is ```text with its command"
         else:
-            assert b.lang in ("python", "bash"), (f"{where}: ```{b.lang} is neither run nor marked: use python, "
-                                                  "bash, ```text with an output marker, or a skip with a reason")
+            assert b.lang in ("python", "bash", "toml"), (
+                f"{where}: ```{b.lang} is neither run nor marked: use python, bash, toml, ```text with an output "
+                "marker, or a skip with a reason")
 
 
 @pytest.mark.parametrize("block", of("python"), ids=lambda b: b.id)
 def test_python_block(block, tmp_path):
-    where = f"README.md:{block.line}"
+    where = block.where
     cwd = scratch(tmp_path)
     (cwd / "block.py").write_text(substitute(block.code, where))
     run(f"{sys.executable} block.py", cwd, where)
@@ -198,7 +212,7 @@ def test_python_block(block, tmp_path):
 
 @pytest.mark.parametrize("block", of("bash"), ids=lambda b: b.id)
 def test_bash_block(block, tmp_path):
-    where = f"README.md:{block.line}"
+    where = block.where
     cwd, steps = scratch(tmp_path), {}
     cmds = commands(substitute(block.code, where))
     assert cmds, f"{where}: a bash block without commands"
@@ -213,10 +227,31 @@ def test_bash_block(block, tmp_path):
 
 @pytest.mark.parametrize("block", of("text"), ids=lambda b: b.id)
 def test_output_block(block, tmp_path):
-    where = f"README.md:{block.line}"
+    where = block.where
     out = run(substitute(block.marker[1].strip("`"), where), scratch(tmp_path), where)
     numbers = BIG_NUMBER.findall(block.code)
     wanted = numbers or [" ".join(line.split()) for line in block.code.splitlines() if line.strip()]
     found = set(BIG_NUMBER.findall(out)) if numbers else " ".join(out.split())
     missing = [w for w in wanted if w not in found]
     assert not missing, f"{where}: not in the output of {block.marker[1]}: {missing}\n{out[-3000:]}"
+
+
+@pytest.mark.parametrize("block", of("toml"), ids=lambda b: b.id)
+def test_toml_block(block):
+    """A run-file fragment parses, and names only tables and keys the run file has (a renamed key fails here)."""
+    import dataclasses
+    import typing
+
+    import tomllib
+
+    from kimik3.train.config import TrainConfig
+
+    doc = tomllib.loads(block.code)
+    hints = typing.get_type_hints(TrainConfig)
+    for name, value in doc.items():
+        assert name in hints and name != "source", f"{block.where}: no [{name}] in a run file"
+        if not isinstance(value, dict):
+            continue
+        section = next(a for a in (*typing.get_args(hints[name]), hints[name]) if dataclasses.is_dataclass(a))
+        known = {f.name for f in dataclasses.fields(section)}
+        assert set(value) <= known, f"{block.where}: [{name}] has no key {sorted(set(value) - known)}"

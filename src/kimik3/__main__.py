@@ -1,5 +1,5 @@
 import sys
 
-from kimik3.cli import main
+from kimik3.cli import console
 
-sys.exit(main())
+sys.exit(console())

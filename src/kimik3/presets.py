@@ -2,9 +2,12 @@
 editable install or a wheel; nothing here reads the repository).
 
     kimik3/configs/<name>.json      presets: `k3` (the released config.json), `tiny`, `demo`, `mid`, `slice-*`
+    kimik3/configs/train/<name>.toml  training presets (`kimik3 train tiny`); their data and tokenizer paths
+                                    start with `{kimik3}/` (the package folder) where the package ships them
     kimik3/demo/k3-shakespeare/     the small K3 trained by our own trainer (its MODEL_CARD.md)
 
-The repository's `configs/*.json` are links to the first folder, so `configs/tiny.json` works from its root.
+The repository's `configs/*.json` and `configs/train` are links into the first folder, so `configs/tiny.json` and
+`configs/train/tiny.toml` work from its root.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from kimik3.config import K3Config
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONFIG_DIR = PACKAGE_DIR / "configs"
+TRAIN_CONFIG_DIR = CONFIG_DIR / "train"
 DEMO_MODEL = PACKAGE_DIR / "demo" / "k3-shakespeare"
 DEMO_DRAFTER = PACKAGE_DIR / "demo" / "k3-shakespeare-draft"  # its DSpark-style drafter (docs/speculative.md)
 
@@ -40,3 +44,22 @@ def resolve_config(name_or_path: str | Path) -> Path:
 
 def load_config(name_or_path: str | Path) -> K3Config:
     return K3Config.from_file(resolve_config(name_or_path))
+
+
+def train_preset_names() -> list[str]:
+    return sorted(f.stem for f in TRAIN_CONFIG_DIR.glob("*.toml"))
+
+
+def resolve_train_config(name_or_path: str | Path) -> Path:
+    """A training TOML file, or the name of a shipped training preset (`tiny`, `demo`, `mid`, `demo-draft`).
+
+    An existing file wins over a preset of the same name.
+    """
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    preset = TRAIN_CONFIG_DIR / f"{name_or_path}.toml"
+    if not p.suffix and preset.is_file():
+        return preset
+    raise FileNotFoundError(f"no training config at {name_or_path}, and no training preset of that name (presets: "
+                            f"{', '.join(train_preset_names()) or 'none found'})")

@@ -93,7 +93,11 @@ def test_cli_live_numbers_on_the_demo_model(tmp_path):
     assert main(["atlas", "demo", "--out", str(tmp_path / "s"), "--checkpoint", "demo", "--prompt", "ROMEO:"]) == 0
     live = json.loads((tmp_path / "s" / "atlas.json").read_text())["live"]
     assert live["expert_load"] and live["depth_mixes"] and live["kda_decay"]
-    assert "Live numbers" in (tmp_path / "s" / "index.html").read_text()
+    html = (tmp_path / "s" / "index.html").read_text()
+    assert "Live numbers" in html
+    # the expert-load table names its columns: the experts, then the row's total (tokens x top-k)
+    assert f"<th>{live['num_experts'] - 1}</th><th>routed (tokens × {live['top_k']})</th>" in html
+    assert all(sum(c) == live["tokens"] * live["top_k"] for c in live["expert_load"].values())
 
 
 def test_serve_binds_loopback(tmp_path):

@@ -74,3 +74,48 @@ def test_diff_page_prints_no_python_dicts(tmp_path):
     assert main(["atlas", "tiny", "--out", str(out), "--diff", "demo"]) == 0
     html = (out / "diff.html").read_text()
     assert "{&#39;" not in html and "{'" not in html and "[(" not in html
+
+
+@pytest.mark.parametrize("at", [1, 2, 3, -1])
+def test_ctrl_c_while_publishing_leaves_the_whole_site_or_none(tmp_path, monkeypatch, at):
+    """Ctrl-C in the publish step (each fsync around the rename, the last after it): exit 130, and --out is either
+    absent or the complete site; no hidden partial folder is left beside it."""
+    import kimik3.checkpoint.folder as folder
+
+    real, calls = folder.fsync_dir, []
+
+    def fsync(path):
+        calls.append(path)
+        if len(calls) == at or (at == -1 and path == tmp_path):  # -1: the parent, after the rename
+            raise KeyboardInterrupt
+        real(path)
+
+    monkeypatch.setattr(folder, "fsync_dir", fsync)
+    out = tmp_path / "o"
+    assert main(["atlas", "tiny", "--out", str(out)]) == 130
+    assert [p.name for p in tmp_path.iterdir() if p.name != "o"] == []
+    if out.exists():
+        assert (out / "index.html").is_file() and (out / "atlas.json").is_file()
+        assert at == -1
+
+
+def test_routed_expert_flops_are_per_moe_layer_as_their_count_says(tmp_path):
+    """82,432 routed experts are the parameter instances; their FLOPs are per MoE layer (a token meets top-k of
+    each layer's experts), and the page says so with the layer count, not "per instance"."""
+    import json
+
+    from kimik3.presets import load_config
+
+    out = tmp_path / "s"
+    assert main(["atlas", "tiny", "--out", str(out)]) == 0
+    a = json.loads((out / "atlas.json").read_text())
+    moe, f = load_config("tiny").text.moe, a["nodes"]["experts"]["flops"]
+    layers = a["nodes"]["experts"]["instances"]["stored"] // a["nodes"]["experts"]["instances"]["experts_per_layer"]
+    assert f["instances"] == layers and f["per"] == (f"MoE layer (top-{moe.num_experts_per_token} of its "
+                                                     f"{moe.num_experts:,} experts)")
+    page = re.sub(r"\s+", " ", (out / "c" / "experts.html").read_text())
+    assert f"per MoE layer (top-{moe.num_experts_per_token} of its" in page and "per instance +" not in page
+    assert f"over all {layers} MoE layers" in page
+    assert a["nodes"]["kda"]["flops"]["per"] == "instance"
+    index = re.sub(r"\s+", " ", (out / "index.html").read_text())
+    assert "<th>weights</th><th>per</th>" in index and "<td>MoE layer (top-" in index

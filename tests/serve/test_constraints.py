@@ -75,3 +75,37 @@ def test_rejected_token_ends_the_turn_and_bad_schema_is_a_value_error(vocab):
     assert torch.equal(fork.allowed(), first) and not fork.is_finished()
     with pytest.raises(ValueError, match="schema"):
         vocab.compile(json_grammar({"type": "nonsense"}, thinking=True))
+
+
+def _mask_after(vocab, schema, text):
+    """The mask after a forced call's header and `text` of its json arguments (thinking on)."""
+    c = GrammarConstraint(vocab, vocab.compile(tool_call_grammar([("f", schema)], thinking=True)))
+    head = ('<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
+            '<|open|>call tool="f" index="1"<|sep|><|open|>json type="object"<|sep|>')
+    for t in vocab.tokenizer.encode(head, allow_special=True) + vocab.tokenizer.encode(text):
+        assert c.allowed()[t], (text, vocab.tokenizer.decode([t]))
+        c.accept(t)
+    return c.allowed()
+
+
+@pytest.mark.parametrize("schema, text, closes", [
+    ({"type": "object", "properties": {"city": {"type": "string"}}}, '{"city":"Mantua"', True),
+    ({"type": "object", "properties": {"at": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+     '{"at":{"x":1', True),
+    ({"anyOf": [{"type": "object", "properties": {"city": {"type": "string"}}}]}, '{"city":"Mantua"', True),
+    ({"type": "object", "properties": {"city": {"type": "string"}}, "additionalProperties": True},
+     '{"city":"Mantua"', False),
+    ({"type": "object", "properties": {"city": {"type": "string"}}, "additionalProperties": {"type": "integer"}},
+     '{"city":"Mantua"', False),
+    ({"allOf": [{"type": "object", "properties": {"city": {"type": "string"}}},
+                {"type": "object", "properties": {"mood": {"type": "string"}}}]}, '{"city":"Mantua"', False),
+    ({"type": "object"}, '{"city":"Mantua"', False),
+])
+def test_open_object_schemas_close_after_their_declared_keys(vocab, schema, text, closes):
+    """An object that declares properties and says nothing of additionalProperties is generated closed: after its
+    declared keys only `}` follows. An explicit additionalProperties, an allOf (subschemas checked together) or an
+    object with no declared properties stays open."""
+    mask = _mask_after(vocab, schema, text)
+    comma, brace = vocab.tokenizer.encode(","), vocab.tokenizer.encode("}")
+    assert len(comma) == 1 and len(brace) == 1
+    assert bool(mask[brace[0]]) and bool(mask[comma[0]]) is not closes

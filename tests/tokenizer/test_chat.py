@@ -320,3 +320,21 @@ def test_assistant_mask_is_the_released_tokenizers(tok, thinking):
 def test_assistant_mask_prompt_only(tok):
     ids, mask = encode_chat_with_mask(tok, [{"role": "user", "content": "hi"}])
     assert ids == encode_chat(tok, [{"role": "user", "content": "hi"}]) and not any(mask)
+
+
+def test_assistant_mask_named_header_and_json_block_call(tok):
+    """Cases checked against Moonshot's released encoder (nemo-automodel's kimi_k3/encoding.py, `is_assistant`): a
+    named turn's header `<|open|>message role="assistant" name="..."<|sep|>` stays unmarked, and a call whose
+    arguments are not JSON (rendered as a json block) is marked whole."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}}]
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "name": "bot", "content": "a", "tool_calls": calls}]
+    ids, mask = encode_chat_with_mask(tok, msgs, tools=[WEATHER], thinking=False, add_generation_prompt=False)
+
+    def text(keep):
+        return "".join(tok.special_name(t) if tok.is_special(t) else tok.decode([t])
+                       for t, m in zip(ids, mask) if m == keep)
+
+    assert text(True) == ('<|open|>response<|sep|>a<|close|>response<|sep|><|open|>tools<|sep|><|open|>call '
+                          'tool="get_weather" index="1"<|sep|><|open|>json type="object"<|sep|>not json<|close|>json'
+                          '<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
+    assert text(False).endswith('<|open|>message role="assistant" name="bot"<|sep|>')

@@ -266,3 +266,23 @@ def test_random_structure_never_leaks_or_raises(tok, pieces, start_in, tools, da
     cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=8))
     streamed, final = _split_parse(tok, ids, cuts, start_in=start_in, tools=tools)
     assert final == whole and streamed == (whole.reasoning_content, whole.content, whole.tool_calls)
+
+
+@pytest.mark.parametrize("text, want", [
+    ('<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>json type="object"<|sep|>{"a": 1, "b',
+     {"name": "f", "arguments": '{"a": 1, "b'}),
+    ('<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument key="a" type="number"<|sep|>1'
+     '<|close|>argument<|sep|><|open|>argument key="b" type="string"<|sep|>x', {"name": "f", "arguments": '{"a": 1}'}),
+    ('<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>', {"name": "f", "arguments": ""}),
+    ('<|open|>tools<|sep|><|open|>call tool="f', None),
+    ('<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|close|>call<|sep|>', None),
+])
+def test_partial_call_is_the_open_call_as_written(text, want):
+    parser = ResponseParser(start_in="response")
+    parser.feed_text(text)
+    p = parser.finish()
+    assert parser.partial_call() == want
+    assert len(p.tool_calls) == (1 if want is None and text.endswith("<|close|>call<|sep|>") else 0)
+    undeclared = ResponseParser(start_in="response", tools=False)
+    undeclared.feed_text(text)
+    assert undeclared.partial_call() is None

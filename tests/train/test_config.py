@@ -65,3 +65,34 @@ def test_file_errors(tmp_path):
     good.write_text('out_dir = "x"\n[model]\nconfig = "tiny"\n[data]\ntrain = "a"\n[train]\nsteps = 2\nbogus = 1\n')
     with pytest.raises(ValueError, match=r"ok.toml: unknown key 'train.bogus'"):
         load_train_config(good)
+
+
+def test_presets_load_by_name_and_find_their_files_in_the_package(tmp_path, monkeypatch):
+    """`kimik3 train tiny` works from any folder (an installed wheel has no configs/ beside it): the preset's
+    `{kimik3}/` paths are the package's own files."""
+    from kimik3.presets import PACKAGE_DIR, TRAIN_CONFIG_DIR, train_preset_names
+    from kimik3.train.data import _expand
+
+    assert {"tiny", "demo", "mid", "demo-draft"} <= set(train_preset_names())
+    assert (REPO / "configs/train/tiny.toml").read_bytes() == (TRAIN_CONFIG_DIR / "tiny.toml").read_bytes()
+    monkeypatch.chdir(tmp_path)
+    cfg = load_train_config("tiny")
+    assert cfg.data.tokenizer == str(PACKAGE_DIR / "configs/train/bytes.tiktoken")
+    train, valid = _expand(cfg.data.train, "data.train"), _expand(cfg.data.valid, "data.valid")
+    assert valid and all(p.parent == PACKAGE_DIR / "model" for p in valid)
+    assert len(train) > 50 and not set(train) & set(valid)  # the held-out model/ files are not trained on
+    assert load_train_config("demo-draft").draft.target == str(PACKAGE_DIR / "demo/k3-shakespeare")
+    with pytest.raises(FileNotFoundError, match=r"no training preset of that name \(presets: demo, demo-draft"):
+        load_train_config("tiniest")
+
+
+def test_package_prefix_only_in_path_keys():
+    raw = _with("data", "tokenizer", "{kimik3}/configs/train/bytes.tiktoken")
+    raw["data"]["train"] = ["{kimik3}/model/*.py", "local/{kimik3}/x.txt"]
+    raw["model"] = {"config": "{kimik3}/configs/tiny.json"}
+    cfg = from_dict(raw)
+    from kimik3.presets import PACKAGE_DIR
+
+    assert cfg.data.train == [str(PACKAGE_DIR / "model/*.py"), "local/{kimik3}/x.txt"]
+    assert cfg.model.config == str(PACKAGE_DIR / "configs/tiny.json") and raw["model"]["config"].startswith("{")
+    assert from_dict(_with("train", "steps", 3)).out_dir == "runs/x"

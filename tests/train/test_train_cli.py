@@ -175,3 +175,16 @@ def test_no_progress_says_it_resumed(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", str(toml), "--no-progress"]) == 0
     assert "resumed from step 1" in capsys.readouterr().err
+
+
+def test_no_progress_prints_a_log_line_every_log_every_steps(tmp_path, capsys):
+    toml = write_run(tmp_path)
+    toml.write_text(toml.read_text().replace("steps = 1\n", "steps = 5\n"))
+    assert main(["train", str(toml), "--no-progress", "--set", "log.every=2", "--stop-at", "3"]) == 0
+    err = capsys.readouterr().err
+    lines = re.findall(r"kimik3 train: step (\d+)/5: loss (\d+\.\d+), ([\d,]+) tokens/s", err)
+    assert [int(s) for s, _, _ in lines] == [2], err
+    assert main(["train", str(toml), "--no-progress", "--set", "log.every=2"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed from step 3" in err
+    assert [int(s) for s, _, _ in re.findall(r"step (\d+)/5: loss (\d+\.\d+), ([\d,]+) tokens/s", err)] == [4, 5]

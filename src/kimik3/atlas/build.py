@@ -105,6 +105,11 @@ def build_atlas(cfg: K3Config, *, name: str = "config", config_path: Path | None
                 "layers_by_kind": _by_kind(cfg, stored) if "layers" in node["breadcrumb"] else {},
             }
             node["flops"] = flops.get(c.id)
+            if node["flops"] and a["experts_per_layer"]:  # a token meets top-k experts of each MoE layer
+                node["flops"]["per"] = (f"MoE layer (top-{cfg.text.moe.num_experts_per_token} of its "
+                                        f"{a['experts_per_layer']:,} experts)")
+            elif node["flops"]:
+                node["flops"]["per"] = "instance"
             node["evidence"] = _evidence(model, c)
             node["tests"] = evidence.covering_tests(_names(model, c))
         nodes[c.id] = node

@@ -65,6 +65,16 @@ class _Svg:
         if label:
             self.parts.append(text)
 
+    def route(self, points: list[tuple[float, float]], label: str = "", cls: str = "flow") -> None:
+        """An edge along axis-parallel segments through `points`, the arrow at the last one (into a box's top)."""
+        for k, ((xa, ya), (xb, yb)) in enumerate(zip(points, points[1:])):
+            end = k == len(points) - 2
+            self.parts.append(f'<line class="e {cls}" x1="{xa}" y1="{ya}" x2="{xb}" y2="{yb - 2 if end else yb}"'
+                              + (' marker-end="url(#arrow)"/>' if end else "/>"))
+        if label:
+            (xa, ya), (_, yb) = points[0], points[1]
+            self.parts.append(f'<text class="el" x="{xa + 8}" y="{(ya + yb) / 2 + 4}">{escape(label)}</text>')
+
     def hline(self, x0: float, x1: float, y: float, cls: str) -> None:
         self.parts.append(f'<line class="e {cls}" x1="{x0}" y1="{y}" x2="{x1}" y2="{y}"/>')
 
@@ -105,15 +115,26 @@ def diagram(atlas: dict) -> tuple[str, list[Box]]:
     y += GAP
     g.box("input_norm", X0 + 110, y, COL_W - 220)
     y += BOX_H
-    g.edge(cx, y, y + GAP, "x [B, T, D]", tensor="x_attn")
-    y += GAP
     kinds = [k for k in ("kda", "mla") if k in nodes and nodes[k].get("rows")]
     w = (COL_W - 20 * (len(kinds) - 1)) / max(len(kinds), 1)
+    centers = [X0 + j * (w + 20) + w / 2 for j in range(len(kinds))]
+    if len(kinds) > 1:  # alternatives side by side: the edge forks to each and joins below them
+        g.edge(cx, y, y + GAP / 2 + 2, "x [B, T, D]", tensor="x_attn")
+        for xc in centers:
+            g.route([(cx, y + GAP / 2), (xc, y + GAP / 2), (xc, y + GAP)])
+    else:
+        g.edge(cx, y, y + GAP, "x [B, T, D]", tensor="x_attn")
+    y += GAP
     for j, k in enumerate(kinds):
         n = nodes[k]["instances"]["stored"]
         g.box(k, X0 + j * (w + 20), y, w, f"{n} layers, {nodes[k]['per_instance']:,} each")
     y += BOX_H
-    g.edge(cx, y, y + GAP, "attn(x) [B, T, D]")
+    if len(kinds) > 1:
+        for xc in centers:
+            g.route([(xc, y), (xc, y + GAP / 2), (cx, y + GAP / 2), (cx, y + GAP / 2 + 2)])
+        g.edge(cx, y + GAP / 2, y + GAP, "attn(x) [B, T, D]")
+    else:
+        g.edge(cx, y, y + GAP, "attn(x) [B, T, D]")
     y += GAP
     store_y = y + BOX_H / 2
     g.box("residual", X0 + 110, y, COL_W - 220)
@@ -195,16 +216,19 @@ def _ffn(g: _Svg, nodes: dict, y: float, cx: float) -> float:
     if has_dense and not has_moe:
         g.box("dense_mlp", X0 + 110, y, COL_W - 220)
         return y + BOX_H
-    mx = X0
-    if has_dense:
+    mx, dense_x = X0, X0 - 6 + 158 / 2
+    if has_dense:  # beside the MoE frame: x forks to it from the edge above; its output joins the frame's
         n = nodes["dense_mlp"]["instances"]["stored"]
         g.box("dense_mlp", X0 - 6, y + 40, 158, f"{n} layer{'s' * (n != 1)}, {nodes['dense_mlp']['per_instance']:,}")
+        g.route([(cx, y - GAP / 2), (dense_x, y - GAP / 2), (dense_x, y + 40)])
         mx = X0 + 164
     mw = X0 + COL_W - mx
     top = y
     y += 34
     col_w = mw - 150
     ix = mx + 14
+    router_x = ix + (col_w - 14) / 2
+    g.route([(cx, top - GAP / 2), (router_x, top - GAP / 2), (router_x, y)])
     chain = ["router", "latent_down", "experts", "combine", "latent_norm", "latent_up"]
     labels = {"router": "idx, w [N, A]", "latent_down": "z [N, L]", "experts": "e_i(z) [N, A, L]",
               "combine": "r [N, L]", "latent_norm": "r [N, L]"}
@@ -217,8 +241,14 @@ def _ffn(g: _Svg, nodes: dict, y: float, cx: float) -> float:
             tensor = {"latent_down": "z", "combine": "r"}.get(cid, "")
             g.edge(ix + (col_w - 14) / 2, y, y + 22, labels.get(cid, ""), tensor=tensor)
             y += 22
-    g.box("shared_expert", mx + col_w + 12, top + 34 + (BOX_H + 22) * 2, mw - col_w - 24)
+    sx, sy, sw = mx + col_w + 12, top + 34 + (BOX_H + 22) * 2, mw - col_w - 24
+    if g.box("shared_expert", sx, sy, sw) is not None:  # on x itself, beside the latent path; the sum leaves below
+        g.route([(sx + sw / 2, top + 34), (sx + sw / 2, sy)], "x")
+        g.route([(sx + sw / 2, sy + BOX_H), (sx + sw / 2, y + 14)], "+")
+    g.edge(router_x, y, y + 14)
     y += 14
+    if has_dense:
+        g.route([(dense_x, top + 40 + BOX_H), (dense_x, y)], "mlp(x)")
     g.parts.insert(0, f'<rect class="frame moe" x="{mx}" y="{top}" width="{mw}" height="{y - top}" rx="8"/>'
                       f'<a class="frame-link" href="c/moe.html"><text class="ftitle" x="{mx + 10}" y="{top + 20}">'
                       'latent MoE '

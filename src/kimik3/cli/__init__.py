@@ -3,7 +3,9 @@
 A subcommand is a module with `add_parser(sub)` (which sets `run=`): list it in COMMANDS. Errors a user can
 cause (ValueError, OSError such as FileNotFoundError) print one line and exit 2; Ctrl-C exits 130 and a
 closed output pipe 141 (the shell's codes for SIGINT and SIGPIPE), both without a traceback. Every command runs
-under the MoE backend KIMIK3_MOE_BACKEND names (`kimik3.ops.backend.use_backend(moe=...)`).
+under the MoE backend KIMIK3_MOE_BACKEND names (`kimik3.ops.backend.use_backend(moe=...)`). `console` is the
+installed script and `python -m kimik3`; `main` is the same without the process-level Ctrl-C handling, for
+callers in Python.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import signal
 import sys
 import warnings
 
@@ -52,6 +55,32 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _warning_printer(args.command)
         return _run(args)
+
+
+def console() -> int:
+    """The `kimik3` script: `main()`, and a Ctrl-C at any moment of the process exits 130.
+
+    main's handler covers the command; this one covers the rest of the process: argument parsing and imports
+    before it, and after it the interpreter's teardown (freeing a large model or atlas takes a noticeable
+    moment), where a KeyboardInterrupt would otherwise end the process by the signal itself.
+    """
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        code = EXIT_SIGINT
+    signal.signal(signal.SIGINT, _exit_interrupted)
+    return code
+
+
+def _exit_interrupted(signum, frame) -> None:
+    """Ctrl-C after the command ended: its outputs are written; stop now, as interrupted."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(EXIT_SIGINT)
 
 
 def _run(args) -> int:

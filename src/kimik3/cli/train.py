@@ -1,4 +1,5 @@
-"""`kimik3 train CONFIG.toml`: train or resume a run; `kimik3 train --prepare OUT --tokenizer TOK FILES...`.
+"""`kimik3 train CONFIG.toml` (or a shipped preset: `kimik3 train tiny`): train or resume a run;
+`kimik3 train --prepare OUT --tokenizer TOK FILES...`.
 
 Data parallel: `torchrun --nproc_per_node N -m kimik3 train CONFIG.toml` (FSDP2; gloo on CPU, NCCL on CUDA).
 Ctrl-C or SIGTERM saves after the current step and exits with status 130; running the same command again
@@ -12,15 +13,21 @@ import sys
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train from a TOML run config (README 'Training'), or --prepare token shards")
-    p.add_argument("inputs", nargs="*", help="the run's TOML file; with --prepare: the text files to tokenize")
+    from kimik3.presets import train_preset_names
+
+    p = sub.add_parser("train", help="train from a TOML run config or preset (docs/training.md), or --prepare "
+                                     "token shards")
+    p.add_argument("inputs", nargs="*", help="the run's TOML file or a shipped preset "
+                                             f"({', '.join(train_preset_names())}); with --prepare: the text files "
+                                             "to tokenize")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config key with a TOML value, e.g. --set train.steps=50 (repeatable)")
     p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="save and stop after this step, keeping the schedule of train.steps")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (default: torch's, or OMP_NUM_THREADS when exported)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: a log line (step, loss, tokens/s) every log.every steps instead")
     p.add_argument("--prepare", metavar="OUT_DIR",
                    help="tokenize the input files (text; .jsonl: {\"text\"} or chat {\"messages\"} lines) into a "
                         "uint32 shard folder (chat lines add a loss mask: only assistant turns train)")
@@ -33,7 +40,7 @@ def run(args) -> int:
     if args.prepare:
         return _prepare(args)
     if len(args.inputs) != 1:
-        raise ValueError("give exactly one run config: kimik3 train CONFIG.toml")
+        raise ValueError("give exactly one run config: kimik3 train CONFIG.toml (or a preset: kimik3 train tiny)")
     if args.stop_at is not None and args.stop_at < 1:
         raise ValueError(f"--stop-at must be a step >= 1, got {args.stop_at}")
     if args.threads is not None:

@@ -13,6 +13,8 @@ islands (A_log, dt_bias, conv kernels, o_norm, router weight).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -69,6 +71,13 @@ def apply_fsdp(model: nn.Module, mesh=None, reshard_after_forward: bool = True) 
     if ep is not None and ep != mesh.size():
         raise ValueError(f"expert parallel over {ep} ranks with FSDP over {mesh.size()}: only EP size == "
                          "data-parallel size is supported (expert replicas would need a gradient all-reduce)")
+    # A layer that does not start an AttnRes block returns its `blocks` input unchanged, and FSDP2's pre-forward
+    # passes inputs through an autograd Function (RegisterPostBackwardFunction), which makes that output an alias:
+    # FSDP2 warns once per layer that an in-place op on it would skip the pre-backward hook. Nothing writes
+    # `blocks` in place (each layer extends it with torch.cat, the mixes only read it), so the warning is
+    # silenced for the decoder layers alone; any other wrapped module that returns a view still warns.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPDecoderLayer\) returned a view tensor",
+                            category=UserWarning)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)

@@ -13,7 +13,10 @@ The grammars cover the whole K3 assistant turn, markers included, so a constrain
 message: `<|close|>think<|sep|>` (when the prompt opened think: a constrained turn does not reason, or a model that
 never closes its thinking, like the Shakespeare demo, would never reach the JSON), the response or tools block,
 then `<|close|>message<|sep|><|end_of_msg|>`. JSON is compact (no free whitespace), so a model cannot pad it
-forever.
+forever. An object schema that declares `properties` and says nothing of `additionalProperties` is generated
+closed (`_bounded`): every output still validates against the client's schema, and once the declared keys are
+written the only way on is `}` (issue 27: the demo model, free to add keys, wrote keys no function declared until
+max_tokens). An explicit `additionalProperties` (true or a schema) or `patternProperties` keeps the object open.
 """
 
 from __future__ import annotations
@@ -37,8 +40,53 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+_SUBSCHEMAS = ("properties", "$defs", "definitions")  # name -> subschema maps
+_OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
+# keywords that apply several subschemas to one instance at once: closing any of them could reject keys another
+# declares (or make a schema unsatisfiable), so a schema that uses them is left as the client wrote it
+_INTERSECTIONS = {"allOf", "if", "dependentSchemas", "dependencies"}
+
+
+def _bounded(schema: Any) -> Any:
+    """`schema` with each object that declares `properties` and none of `_OPEN_KEYS` closed
+    (`additionalProperties: false`), recursively; a copy, the input is untouched.
+
+    Closing is a restriction (a subset of the valid instances), so it is safe wherever a subschema is checked on
+    its own: properties, definitions, items, and the branches of an anyOf / oneOf that stands alone. Not where
+    subschemas are checked together (`_INTERSECTIONS`, or an anyOf beside `properties`), nor under `not` (there
+    it would widen the schema).
+    """
+    return schema if _intersects(schema) else _close(schema)
+
+
+def _intersects(node: Any) -> bool:
+    if isinstance(node, dict):
+        return bool(_INTERSECTIONS & node.keys()) or any(_intersects(v) for v in node.values())
+    return isinstance(node, list) and any(_intersects(v) for v in node)
+
+
+def _close(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    if "properties" in node and ("anyOf" in node or "oneOf" in node):
+        return node  # the branches are checked together with this level's properties: close neither
+    out = dict(node)
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _close(v) for k, v in out[key].items()}
+    for key in ("prefixItems", "anyOf", "oneOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [_close(v) for v in out[key]]
+    for key in ("items", "additionalProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = _close(out[key])
+    if isinstance(out.get("properties"), dict) and not _OPEN_KEYS & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
 def _compact(schema: dict[str, Any] | None) -> dict[str, Any]:
-    schema = dict(schema) if schema is not None else {"type": "object"}
+    schema = _bounded(dict(schema)) if schema is not None else {"type": "object"}
     schema["x-guidance"] = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
     return schema
 

@@ -1,4 +1,4 @@
-"""The explicit cache: B sequences over one `StatePool`, for calling the model by hand (the README's form).
+"""The explicit cache: B sequences over one `StatePool`, for calling the model by hand (docs/inference.md shows it).
 
     cache = model.new_cache(batch_size=2, max_length=4096)
     logits = model(ids_BT, cache=cache, attention_mask=mask_BT)   # row b appends its tokens where mask is 1

@@ -194,8 +194,11 @@ async def chat_completion(server, http: Request, body: dict):
         constraint = factory()
     request_id = server.new_id("chatcmpl")
     n = plan.sampling.n
+    kind, spec = plan.grammar or (None, None)
+    forced = spec[0][0] if kind == "tools" and len(spec) == 1 else None  # the one tool the grammar allows
     choices = [ChatChoice(i, tok, thinking=plan.thinking, tools_declared=plan.tools_declared,
-                          stops=plan.sampling.stop, id_prefix=f"call_{request_id[-8:]}_", logprobs=plan.logprobs)
+                          stops=plan.sampling.stop, id_prefix=f"call_{request_id[-8:]}_", logprobs=plan.logprobs,
+                          forced_tool=forced)
                for i in range(n)]
     job = _Job(server, http)
     await job.submit([_engine_request(request_id=request_id, prompt_ids=prompt, params=params,

@@ -62,11 +62,18 @@ class _Base:
 
 
 class ChatChoice(_Base):
-    """One chat choice: the K3 response parser, stop strings over content, reasoning-token count."""
+    """One chat choice: the K3 response parser, stop strings over content, reasoning-token count.
+
+    A choice that runs out of tokens (finish_reason "length") inside a tool call reports the partial call, its
+    arguments as far as they were generated (what OpenAI's stream has sent by then), never an empty message;
+    `forced_tool` (the one tool a required or named tool_choice allows) names the call even when the output
+    stopped before the model had written the call's header.
+    """
 
     def __init__(self, index: int, tok: Tokenizer, *, thinking: bool, tools_declared: bool, stops: list[str],
-                 id_prefix: str, logprobs: int | None):
+                 id_prefix: str, logprobs: int | None, forced_tool: str | None = None):
         super().__init__(index, tok, stops)
+        self.id_prefix, self.forced_tool = id_prefix, forced_tool
         self.parser = ResponseParser(tok, start_in="think" if thinking else "response", id_prefix=id_prefix,
                                      tools=tools_declared)
         self.logprobs = logprobs
@@ -88,10 +95,8 @@ class ChatChoice(_Base):
             delta.content += self.stop.feed(d.content)
             for call in d.tool_calls:
                 args = call["arguments"]
-                call = {"id": call["id"], "name": call["name"],
-                        "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
-                delta.tool_calls.append(call)
-                self.tool_calls.append(call)
+                self._add_call(delta, {"id": call["id"], "name": call["name"], "arguments": args if isinstance(
+                    args, str) else json.dumps(args, ensure_ascii=False)})
             if self.logprobs is not None and k < len(lps):
                 delta.logprobs.append(chat_logprob(self.tok, lps[k]))
             if self.stop.hit is not None:
@@ -102,11 +107,25 @@ class ChatChoice(_Base):
             self.parser.finish()  # an unfinished tag or character at the end is dropped, never shown
             delta.content += self.stop.flush()
             reason = seq.finish_reason
+            if reason == "length":
+                self._add_partial_call(delta)
             if reason == "stop" and self.tool_calls:
                 reason = "tool_calls"
             self.finish_reason, self.stop_reason = reason, seq.stop_reason
             delta.finish_reason, delta.stop_reason = reason, seq.stop_reason
         return delta
+
+
+    def _add_call(self, delta: ChoiceDelta, call: dict) -> None:
+        delta.tool_calls.append(call)
+        self.tool_calls.append(call)
+
+    def _add_partial_call(self, delta: ChoiceDelta) -> None:
+        partial = self.parser.partial_call()
+        if partial is None and self.forced_tool is not None and not self.tool_calls:
+            partial = {"name": self.forced_tool, "arguments": ""}
+        if partial is not None:  # ids continue the parser's numbering (1-based call position)
+            self._add_call(delta, {"id": f"{self.id_prefix}{len(self.parser.tool_calls) + 1}", **partial})
 
 
 class TextChoice(_Base):

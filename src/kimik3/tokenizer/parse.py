@@ -183,6 +183,22 @@ class ResponseParser:
         return ParsedResponse(self.reasoning_content, self.content, list(self.tool_calls), remainder, self.complete,
                               self.dropped_tool_calls)
 
+    def partial_call(self) -> dict | None:
+        """The call the output stopped inside, {"name", "arguments": str}, else None (no call open, or tools=False).
+
+        It is never one of `tool_calls` (an unfinished call is not a call); a server reports it when generation
+        ran out of tokens, as OpenAI streams a call cut by max_tokens: the name and the arguments as far as they
+        were generated. `arguments` is a json block's text as written so far, or the completed `argument` blocks
+        as a JSON object ("" when none was written).
+        """
+        if self._call is None or not self._tools:
+            return None
+        if self._state == "json":
+            return {"name": self._call["name"], "arguments": "".join(self._arg[2])}
+        args = self._call["arguments"]
+        text = args if isinstance(args, str) else (json.dumps(args, ensure_ascii=False) if args else "")
+        return {"name": self._call["name"], "arguments": text}
+
     def _take_delta(self) -> Delta:
         delta, self._delta = self._delta, Delta()
         return delta

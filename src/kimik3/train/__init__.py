@@ -1,9 +1,9 @@
 """Training: data packing, chunked loss, quantile balancing, optimizers, the step, the loop, checkpoints.
 
     from kimik3.train import Trainer, load_train_config
-    Trainer(load_train_config("configs/train/tiny.toml")).run()
+    Trainer(load_train_config("tiny")).run()
 
-or `kimik3 train configs/train/tiny.toml` (README "Training").
+or `kimik3 train tiny` (the shipped preset; docs/training.md).
 """
 
 from kimik3.train.balancing import Balancer

@@ -1,9 +1,11 @@
 """The training run's TOML file, read into frozen dataclasses and validated once.
 
 Every key is checked: an unknown key, a wrong type or a value outside its choices raises ValueError naming
-the file and the `section.key`. Relative paths are taken from the current directory. `overrides` are
-`section.key=value` strings with TOML values (`train.steps=10`, `out_dir="runs/x"`), applied before the checks.
-See configs/train/tiny.toml for a complete example and README "Training" for every key.
+the file and the `section.key`. Relative paths are taken from the current directory; a path that starts with
+`{kimik3}/` is inside the installed package (PACKAGE_PATH_KEYS: how a shipped preset finds its data and tokenizer
+from a wheel as from a clone). `overrides` are `section.key=value` strings with TOML values (`train.steps=10`,
+`out_dir="runs/x"`), applied before the checks. The shipped presets (`kimik3 train tiny`: kimik3/configs/train/,
+linked from the repository's configs/train/) are complete examples; docs/training.md documents every key.
 
 A `[draft]` table makes the run train a speculative drafter (docs/speculative.md) for the frozen checkpoint
 `draft.target` instead of the model: `[model]` must then be absent, and configs/train/demo-draft.toml shows the keys.
@@ -17,6 +19,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from kimik3.presets import PACKAGE_DIR, resolve_train_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -157,6 +161,23 @@ NON_NEGATIVE = ("optim.lr", "optim.warmup_steps", "optim.weight_decay", "train.c
                 "checkpoint.every", "balancing.sign_gamma")
 
 
+PACKAGE_PREFIX = "{kimik3}/"
+PACKAGE_PATH_KEYS = ("model.config", "model.checkpoint", "data.train", "data.valid", "data.tokenizer", "draft.target")
+
+
+def _package_paths(raw: dict) -> None:
+    """Replace a leading `{kimik3}/` in the path keys of the raw document with the package's folder."""
+    def expand(v: Any) -> Any:
+        return str(PACKAGE_DIR / v[len(PACKAGE_PREFIX):]) if isinstance(v, str) and v.startswith(PACKAGE_PREFIX) else v
+
+    for dotted in PACKAGE_PATH_KEYS:
+        section, key = dotted.split(".")
+        node = raw.get(section)
+        if isinstance(node, dict) and key in node:
+            value = node[key]
+            node[key] = [expand(v) for v in value] if isinstance(value, list) else expand(value)
+
+
 def _typed(value: Any, hint: Any, key: str, where: str) -> Any:
     """`value` checked against a field's type hint (int, float, bool, str, X | None, list[str|float])."""
     def bad(want: str) -> ValueError:
@@ -276,6 +297,8 @@ def from_dict(raw: dict, where: str = "<dict>") -> TrainConfig:
     if "out_dir" not in raw:
         raise ValueError(f"{where}: 'out_dir' is required (the run's folder: checkpoints, metrics.jsonl)")
     out_dir = _typed(raw["out_dir"], str, "out_dir", where)
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}  # the caller's document is untouched
+    _package_paths(raw)
     hints = typing.get_type_hints(TrainConfig)
     parts = {name: _section(_unoptional(hints[name]), raw[name], name, where) for name in sections if name in raw}
     cfg = TrainConfig(out_dir=out_dir, source=where, **parts)
@@ -300,10 +323,8 @@ def apply_override(raw: dict, item: str) -> None:
 
 
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-    """Read, override and validate a training TOML file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no training config at {path}")
+    """Read, override and validate a training TOML file, or a shipped preset by name (`tiny`, `demo`, ...)."""
+    path = resolve_train_config(path)
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:

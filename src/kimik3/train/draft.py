@@ -105,7 +105,7 @@ class DraftTrainer:
         self.root = Path(cfg.out_dir) / "draft"
         self.step = 0
         self.metrics = MetricsLog(Path(cfg.out_dir) / "metrics.jsonl", True, None)
-        self.progress_enabled = progress and cfg.log.progress
+        self.progress_mode = "bar" if progress and cfg.log.progress else "lines"
 
     def _rows(self, sampler: RowSampler, first: int, count: int) -> Tensor:
         return torch.stack([torch.from_numpy(sampler.row(first + i)[:-1].astype("int64")) for i in range(count)])
@@ -180,7 +180,7 @@ class DraftTrainer:
         """Train to train.steps (or stop_at), then write the drafter to out_dir/draft. Returns "done" or "stopped"."""
         c = self.cfg
         end = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
-        progress = Progress(self.progress_enabled, c.train.steps, self.step)
+        progress = Progress(self.progress_mode, c.train.steps, self.step, c.log.every)
         try:
             while self.step < end:
                 record = self._train_one_step()

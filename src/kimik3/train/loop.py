@@ -1,6 +1,6 @@
 """The training loop: build everything from a TrainConfig, resume, run steps, evaluate, log, checkpoint.
 
-    trainer = Trainer(load_train_config("configs/train/tiny.toml"))
+    trainer = Trainer(load_train_config("tiny"))   # a shipped preset, or a TOML file
     trainer.run()            # "done", "interrupted" (Ctrl-C / SIGTERM: saved after the current step), "stopped"
 
 A run lives in `out_dir`: `checkpoints/step-*/` (see checkpointing.py) and `metrics.jsonl`. Starting again
@@ -94,7 +94,8 @@ class Trainer:
                 print(f"kimik3 train: resumed from step {self.step} ({resume})", file=sys.stderr, flush=True)
         self.metrics = MetricsLog(Path(cfg.out_dir) / "metrics.jsonl", self.env.is_main,
                                   self.step if resume is not None else None)
-        self.progress_enabled = progress and cfg.log.progress and self.env.is_main
+        self.progress_mode = ("off" if not self.env.is_main else "bar" if progress and cfg.log.progress
+                              else "lines")
         self.flops = flops_per_token(self.lm.config, d.seq_len)
         self.peak = peak_flops(self.env.device, cfg.log.peak_tflops)
         self._stop = False
@@ -256,7 +257,7 @@ class Trainer:
         """Train to `train.steps` (or `stop_at`, saving there). Returns "done", "stopped" or "interrupted"."""
         c = self.cfg
         end = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
-        progress = Progress(self.progress_enabled, c.train.steps, self.step)
+        progress = Progress(self.progress_mode, c.train.steps, self.step, c.log.every)
         status, saved_at, start, first = "done", None, time.perf_counter(), self.step
         try:
             with self._signals():

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -98,11 +100,16 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 class Progress:
-    """A rich progress bar: step, loss, tokens/s and ETA (or nothing when disabled)."""
+    """How a run shows its steps on rank 0: `mode` "bar" (rich: step, loss, tokens/s, ETA), "lines" (a log line
+    to stderr every `every` steps and at the last one, and evaluations: for logs and `--no-progress`) or "off"
+    (the other ranks)."""
 
-    def __init__(self, enabled: bool, total: int, start: int):
-        self.bar = None
-        if not enabled:
+    def __init__(self, mode: str, total: int, start: int, every: int = 1):
+        if mode not in ("bar", "lines", "off"):
+            raise ValueError(f"progress mode must be bar, lines or off, got {mode!r}")
+        self.mode, self.total, self.every, self.bar = mode, total, every, None
+        self.t0 = time.monotonic()
+        if mode != "bar":
             return
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
         from rich.progress import Progress as RichProgress
@@ -116,10 +123,15 @@ class Progress:
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         if self.bar is not None:
             self.bar.update(self.task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+        elif self.mode == "lines" and (step % self.every == 0 or step == self.total):
+            self.print(f"step {step}/{self.total}: loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s, "
+                       f"{time.monotonic() - self.t0:.0f} s")
 
     def print(self, text: str) -> None:
         if self.bar is not None:
             self.bar.console.print(text)
+        elif self.mode == "lines":
+            print(f"kimik3 train: {text}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
