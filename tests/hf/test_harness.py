@@ -82,9 +82,33 @@ def test_loglikelihood_equals_full_forward(lm, k3_model, demo_tok):
         want_ll, want_greedy = full_forward(k3_model, demo_tok, *inst.args)
         assert _close(ll, want_ll), (inst.args, ll, want_ll)
         assert greedy == want_greedy
-    # " stage" is a prefix of " stage, and all the men": scored once, on the longer sequence
-    whole = [tuple(demo_tok.encode(c + x, allow_special=True)) for c, x in (i.args for i in instances)]
-    assert lm.scored_tokens < sum(map(len, set(whole)))
+
+
+def test_a_shared_context_is_computed_once(k3_model, demo_tok):
+    """Each question's context runs once (its end snapshot keeps its prompt logprobs in the engine's prefix cache),
+    then each choice computes only its own tokens; a choice that is a prefix of another is not run at all. The
+    model's embedding counts the tokens the engine forwarded."""
+    lm = KimiK3LM(model=k3_model, tokenizer=demo_tok, batch_size=4)
+    instances = _instances("k3_mc")
+    pairs = [lm._encode_pair(*inst.args) for inst in instances]
+    wholes = {tuple(c + x): len(c) for c, x in pairs}
+    roots = [w for w in wholes if not any(o != w and o[:len(w)] == w for o in wholes)]
+    assert len(roots) < len(wholes)  # " stage" is a prefix of " stage, and all the men"
+    contexts = {w[:wholes[w]] for w in roots}
+    want = sum(map(len, contexts)) + sum(len(w) - wholes[w] for w in roots)
+    forwarded = []
+    hook = k3_model.language_model.model.embed_tokens.register_forward_hook(
+        lambda module, args, out: forwarded.append(args[0].numel()))
+    try:
+        got = lm.loglikelihood(instances)
+    finally:
+        hook.remove()
+    assert sum(forwarded) == lm.scored_tokens == want
+    assert want < sum(map(len, roots))  # what running each sequence whole would forward
+    for inst, (ll, greedy) in zip(instances, got):
+        want_ll, want_greedy = full_forward(k3_model, demo_tok, *inst.args)
+        assert _close(ll, want_ll), (inst.args, ll, want_ll)
+        assert greedy == want_greedy
 
 
 def test_rolling_loglikelihood_equals_full_forward(lm, k3_model, demo_tok):

@@ -1,8 +1,15 @@
-"""The server path: /v1/completions with echo + logprobs + max_tokens 0 gives the prompt's logprobs and nothing
-else, and lm-eval's `local-completions` against a real `kimik3 serve` app (uvicorn in a thread) scores as the
-in-process model does, with the registered tokenizer (no `tokenizer_backend=remote` needed)."""
+"""The server path against a real `kimik3 serve` process (the demo model, fp32, CPU): /v1/completions with echo +
+logprobs + max_tokens 0 gives the prompt's logprobs and nothing else, and lm-eval's `local-completions` model over
+the local task folder scores as the in-process model does, with the registered tokenizer (no
+`tokenizer_backend=remote` needed). Ctrl-C (SIGINT to its pid) then stops the server cleanly."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
@@ -10,20 +17,46 @@ import torch
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
-from kimik3.inference.engine import Engine  # noqa: E402
 from kimik3.presets import DEMO_MODEL  # noqa: E402
-from kimik3.serve import Server, ServerConfig  # noqa: E402
-from tests.hf.test_harness import _close, _instances, _offline_datasets  # noqa: E402, F401
-from tests.serve.conftest import running  # noqa: E402
+from tests.helpers import REPO, free_port  # noqa: E402
+from tests.hf.test_harness import TASKS, _close, _manager, _offline_datasets  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")
-def served(k3_model, demo_tok):
-    server = Server(ServerConfig(model_name="demo"))
-    server.attach(Engine(k3_model, max_num_seqs=4, eos_token_ids=(demo_tok.eos_id,), tokenizer=demo_tok), demo_tok,
-                  vocab_size=k3_model.config.text.vocab_size)
-    with running(server) as url:
+def served():
+    """`kimik3 serve --model DEMO --port FREE` in its own process until /health answers 200; after the module,
+    SIGINT to its pid: it must leave with the shell's Ctrl-C status (130) and no traceback."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
+    # a child of a non-interactive shell may inherit SIGINT ignored; a user's terminal delivers it
+    proc = subprocess.Popen([sys.executable, "-m", "kimik3", "serve", "--model", str(DEMO_MODEL), "--port", str(port),
+                             "--device", "cpu", "--served-model-name", "demo", "--max-num-seqs", "4"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, f"kimik3 serve exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "kimik3 serve did not become healthy in 300 s"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
         yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            out = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0]
+            raise AssertionError(f"kimik3 serve ignored SIGINT for 60 s:\n{out[-3000:]}") from None
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "terminate called" not in out, out[-3000:]
 
 
 def test_echo_with_max_tokens_zero_is_the_prompts_logprobs(served, k3_model, demo_tok):
@@ -47,13 +80,21 @@ def test_max_tokens_zero_needs_echo(served, body):
 
 
 def test_lm_eval_local_completions_equals_in_process(served, k3_model, demo_tok):
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    """The same task through lm-eval twice: `local-completions` against the server, then the in-process `kimik3`
+    model; every choice's (loglikelihood, is greedy) and the accuracy agree."""
+    from lm_eval import simple_evaluate
 
     from kimik3.hf.harness import KimiK3LM
 
-    api = LocalCompletionsAPI(model="demo", base_url=f"{served}/v1/completions", tokenizer=str(DEMO_MODEL),
-                              num_concurrent=1, max_retries=1, batch_size=1)
-    mc = _instances("k3_mc")
-    local = KimiK3LM(model=k3_model, tokenizer=demo_tok, batch_size=4).loglikelihood(mc)
-    for (a, ga), (b, gb) in zip(api.loglikelihood(mc), local):
-        assert _close(a, b) and ga == gb, (a, b)
+    def run(model, **kw):
+        out = simple_evaluate(model=model, tasks=["k3_mc"], task_manager=_manager(), log_samples=True, **kw)
+        return out["results"]["k3_mc"], sorted(out["samples"]["k3_mc"], key=lambda s: s["doc_id"])
+
+    args = f"model=demo,base_url={served}/v1/completions,tokenizer={DEMO_MODEL},num_concurrent=2,max_retries=1"
+    remote, remote_samples = run("local-completions", model_args=args, batch_size=1)
+    local, local_samples = run(KimiK3LM(model=k3_model, tokenizer=demo_tok, batch_size=4))
+    assert len(remote_samples) == len(local_samples) == 6
+    for a, b in zip(remote_samples, local_samples):
+        for (la, ga), (lb, gb) in zip((r[0] for r in a["resps"]), (r[0] for r in b["resps"])):
+            assert _close(float(la), float(lb)) and bool(ga) == bool(gb), (a["doc"], la, lb)
+    assert remote["acc,none"] == local["acc,none"]

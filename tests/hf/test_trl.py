@@ -1,6 +1,7 @@
 """TRL's SFTTrainer on the demo model: a chat dataset through the tokenizer's template, assistant-only loss.
 
-`slow`: TRL is not one of the chosen dependencies (design.md 5), so CI does not install it. Run by hand:
+`slow`: TRL is not one of the chosen dependencies (design.md 5), so CI does not install it, and six CPU steps
+take minutes on two cores. Run by hand (it passed with trl 1.16.0, transformers 5.24, on 2026-12-02):
     pip install trl && pytest -m slow tests/hf/test_trl.py
 """
 

@@ -6,15 +6,16 @@ empty context, rolling windows over max_length), so scores line up with lm-eval'
 registered transformers classes. A loglikelihood is the sum over the continuation's tokens of the engine's prompt
 logprobs (log_softmax of the logits before each token); greedy is whether each token was its position's top-1.
 
-Shared prefixes are scored once: the (context + continuation) id sequences are deduplicated, and a sequence that
-is a prefix of another (a shorter continuation, a repeated context) reads its logprobs off the longer one's.
-Distinct continuations of one context are separate prompts: the engine computes prompt logprobs over the whole
-prompt, without its prefix cache.
+Shared prefixes are computed once: the (context + continuation) id sequences are deduplicated, a sequence that
+is a prefix of another (a shorter continuation, a repeated context) reads its logprobs off the longer one's, and
+a context that starts two or more of them runs first, alone: its end snapshot keeps its prompt logprobs in the
+engine's prefix cache, and each continuation after it restores that and computes only its own tokens.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,7 +72,7 @@ class KimiK3LM(TemplateLM):
         # one sequence holds at most max_length + 1 scored ids, or a context plus its generation budget
         self.engine = Engine(model, max_num_seqs=self.batch_size, max_model_len=self.max_length + 2,
                              eos_token_ids=eos, tokenizer=tokenizer)
-        self.scored_tokens = 0  # prompt tokens the engine ran for loglikelihoods (after prefix sharing)
+        self.scored_tokens = 0  # prompt tokens the engine computed for loglikelihoods (less prefix-cache hits)
 
     @property
     def eot_token_id(self) -> int:
@@ -87,18 +88,32 @@ class KimiK3LM(TemplateLM):
     def tok_decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids))
 
-    def _run(self, requests: list[Request]) -> dict[str, object]:
-        """Run engine requests to the end; request id -> its whole output (the steps' deltas accumulated)."""
+    def _run(self, requests: list[Request], after: dict[str, str] | None = None) -> dict[str, object]:
+        """Run engine requests to the end; request id -> its whole output (the steps' deltas accumulated). A
+        request in `after` (its id -> a leader's id) is added once its leader has finished, ahead of the rest,
+        while the leader's end snapshot is fresh in the prefix cache."""
+        after = after or {}
+        followers: dict[str, list[Request]] = {}
+        for r in requests:
+            if r.request_id in after:
+                followers.setdefault(after[r.request_id], []).append(r)
+        ready = deque(r for r in requests if r.request_id not in after)
         done: dict = {}
-        pending = list(requests)
-        while pending or self.engine.has_unfinished():
-            while pending and len(self.engine.requests) < self.batch_size:
-                self.engine.add_request(pending.pop(0))
-            accumulate(done, self.engine.step())
+        while ready or self.engine.has_unfinished():
+            while ready and len(self.engine.requests) < self.batch_size:
+                self.engine.add_request(ready.popleft())
+            outs = self.engine.step()
+            accumulate(done, outs)
+            for out in outs:
+                if out.finished:
+                    ready.extendleft(reversed(followers.pop(out.request_id, [])))
         return done
 
-    def token_logprobs(self, sequences: list[list[int]]) -> dict[tuple[int, ...], list[tuple[float, bool]]]:
-        """(logprob, is top-1) of every token after the first, per distinct sequence, prefixes sharing a score."""
+    def token_logprobs(self, sequences: list[list[int]], contexts: list[int] | None = None,
+                       ) -> dict[tuple[int, ...], list[tuple[float, bool]]]:
+        """(logprob, is top-1) of every token after the first, per distinct sequence, prefixes sharing a score.
+        `contexts[i]`: how many leading ids of sequences[i] are its context; a context that two or more
+        sequences start with is computed once, before them (module docstring)."""
         unique = sorted(set(map(tuple, sequences)))
         owner: dict[tuple[int, ...], tuple[int, ...]] = {}
         for i in range(len(unique) - 1, -1, -1):  # a prefix sorts right before the sequences that extend it
@@ -106,13 +121,23 @@ class KimiK3LM(TemplateLM):
             nxt = unique[i + 1] if i + 1 < len(unique) else None
             owner[s] = owner[nxt] if nxt is not None and nxt[:len(s)] == s else s
         roots = sorted(set(owner.values()), key=len, reverse=True)
+        split = {tuple(s): n for s, n in zip(sequences, contexts or [0] * len(sequences))}
+        uses: dict[tuple[int, ...], int] = {}
+        for r in roots:
+            c = r[:split[r]]
+            uses[c] = uses.get(c, 0) + 1
+        shared = [c for c, n in uses.items() if n > 1 and 0 < len(c)]
         params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=1, ignore_eos=True)
-        outs = self._run([Request(f"ll-{k}", list(r), params) for k, r in enumerate(roots)])
+        leader = {c: f"ctx-{j}" for j, c in enumerate(shared)}
+        requests = [Request(leader[c], list(c), params) for c in shared]
+        requests += [Request(f"ll-{k}", list(r), params) for k, r in enumerate(roots)]
+        after = {f"ll-{k}": leader[r[:split[r]]] for k, r in enumerate(roots) if r[:split[r]] in leader}
+        outs = self._run(requests, after)
+        self.scored_tokens += sum(len(o.prompt_ids) - o.cached_tokens for o in outs.values())
         scored = {}
         for k, r in enumerate(roots):
             entries = outs[f"ll-{k}"].prompt_logprobs[1:]
             scored[r] = [(e.logprob, e.top[0][0] == e.token_id) for e in entries]
-        self.scored_tokens += sum(map(len, roots))
         return {s: scored[owner[s]][:len(s) - 1] for s in unique}
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -121,7 +146,7 @@ class KimiK3LM(TemplateLM):
             whole = (context_enc + continuation_enc)[-(self.max_length + 1):]  # lm-eval's left truncation
             seqs.append(whole)
             spans.append(len(continuation_enc))
-        table = self.token_logprobs(seqs)
+        table = self.token_logprobs(seqs, [max(len(w) - n, 0) for w, n in zip(seqs, spans)])
         results = []
         for whole, n in zip(seqs, spans):
             rows = table[tuple(whole)][len(whole) - 1 - n:]

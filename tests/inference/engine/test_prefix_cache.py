@@ -167,3 +167,52 @@ def test_long_turn_after_an_end_snapshot_returns_to_the_grid(model):
     out3 = run_one(engine, "t3", turn3, greedy(4))
     assert out3.cached_tokens == 320
     assert out3.outputs[0].token_ids == reference_tokens(model, [turn3], greedy(4))[0]
+
+
+def prompt_lps(out) -> list:
+    return [(e.token_id, e.logprob, e.top) for e in out.prompt_logprobs[1:]]
+
+
+@torch.no_grad()
+def assert_prompt_logprobs_are_a_full_forwards(model, prompt, out, k):
+    lp = out.prompt_logprobs
+    assert lp[0] is None and len(lp) == len(prompt)
+    ref = model(torch.tensor([prompt]))[0, :-1].float().log_softmax(-1)
+    got = torch.tensor([e.logprob for e in lp[1:]])
+    assert rel_err(got, ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]) < 1e-5
+    assert [[i for i, _ in e.top] for e in lp[1:]] == ref.topk(k, dim=-1).indices.tolist()
+
+
+def test_prompt_logprobs_hit_reports_the_cached_positions(model):
+    """A prompt_logprobs request hits the entries an earlier one left (a grid point, an end) and still reports
+    every prompt position: the cached ones kept with the entry, the first restored token's from its kept row."""
+    V = model.config.vocab_size
+    base, ta, tb, tc = random_prompts(V, (130, 20, 9, 7), generator_seed=16)
+    a, b = base + ta, base + tb
+    c = a + tc  # a whole as its context: the end snapshot of a
+    params = greedy(1, prompt_logprobs=2)
+    engine = make_engine(model)
+    outs = [run_one(engine, name, prompt, params) for name, prompt in (("a", a), ("b", b), ("c", c))]
+    assert [o.cached_tokens for o in outs] == [0, 128, len(a)]
+    for prompt, out in zip((a, b, c), outs):
+        assert_prompt_logprobs_are_a_full_forwards(model, prompt, out, 2)
+    # restored on the grid, b is chunked as a cold b is: the same numbers bit for bit
+    assert prompt_lps(outs[1]) == prompt_lps(run_one(make_engine(model), "cold", b, params))
+
+
+def test_prompt_logprobs_hit_only_entries_that_kept_them(model):
+    """Entries of a request without prompt logprobs (or of another top-k) are misses for one that wants them;
+    a prompt_logprobs run over the same prefix gives such an entry its logprobs, and the next one hits."""
+    V = model.config.vocab_size
+    prompt, tail = random_prompts(V, (100, 5), generator_seed=17)
+    k2 = greedy(1, prompt_logprobs=2)
+    engine = make_engine(model)
+    run_one(engine, "plain", prompt, greedy(2))
+    miss = run_one(engine, "miss", prompt + tail, k2)
+    assert miss.cached_tokens == 0 and engine.stats["prefix_hit_tokens"] == 0
+    hit = run_one(engine, "hit", prompt + tail[:3], k2)
+    assert hit.cached_tokens == 64
+    assert_prompt_logprobs_are_a_full_forwards(model, prompt + tail[:3], hit, 2)
+    assert run_one(engine, "k1", prompt + tail[:3], greedy(1, prompt_logprobs=1)).cached_tokens == 0
+    # a request without prompt logprobs hits any entry: here the end of "hit"
+    assert run_one(engine, "plain2", prompt + tail, greedy(1)).cached_tokens == 103

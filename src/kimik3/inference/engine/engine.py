@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from kimik3.inference.engine.config import EngineConfig
 from kimik3.inference.engine.pools import BlockPool, SlotPool
-from kimik3.inference.engine.prefix_cache import PrefixCache, root_key
+from kimik3.inference.engine.prefix_cache import PrefixCache, prompt_logprobs_at, root_key
 from kimik3.inference.engine.request import (
     Request,
     RequestOutput,
@@ -213,12 +213,11 @@ class Engine:
         logits, exports = self.runner.run(chunks, rows, [self._media(c) for c in chunks])
         if self.on_launch is not None:
             self.on_launch()
+        rows_lp = {id(seq): self._prompt_logprobs(seq, logits[row: row + n]) for (seq, row, n), _ in prompt_lp}
         if exports:
-            self._snapshot_exports(chunks, exports)
+            self._snapshot_exports(chunks, exports, rows_lp)
         for c in chunks:
             c.seq.num_computed += c.num_tokens
-        for (seq, row, n), c in prompt_lp:
-            self._prompt_logprobs(seq, logits[row: row + n], seq.num_computed - c.num_tokens, n)
         sampling = [(s, r) for seq, r in samplers for s in [seq, *self._fork(seq)]]
         advanced: dict[str, RequestState] = {}
         if sampling:
@@ -261,8 +260,10 @@ class Engine:
             return None
         return [r for r, _ in picks], group.request.mm_embeds[[j for _, j in picks]]
 
-    def _snapshot_exports(self, chunks: list[Chunk], exports: list) -> None:
-        """Insert the states the forward exported (one entry per (chunk, offset), in that order)."""
+    def _snapshot_exports(self, chunks: list[Chunk], exports: list, rows_lp: dict[int, Tensor]) -> None:
+        """Insert the states the forward exported (one entry per (chunk, offset), in that order), with the
+        prompt logprobs up to them (`rows_lp`: the chunk's prompt log-softmax rows, by sequence)."""
+
         recurrent = torch.stack([layer[0] for layer in exports])  # [Lk, E, H, K, V]
         conv = torch.stack([torch.stack(layer[1:]) for layer in exports])  # [Lk, 3, E, W-1, P]
         e = 0
@@ -273,19 +274,27 @@ class Engine:
                 state = SlotState(recurrent[:, e].clone(), conv[:, :, e].clone())
                 e += 1
                 blocks = seq.blocks[: p // self.blocks.size]
-                self.prefix.insert(seq.group.root_key, seq.tokens[:p], state, blocks, self.blocks.finite(blocks, p))
+                lp = rows_lp.get(id(seq))
+                kept = prompt_logprobs_at(seq.group, p, lp[p - 1 - seq.num_computed] if lp is not None
+                                          and p - 1 - seq.num_computed < lp.shape[0] else None)
+                self.prefix.insert(seq.group.root_key, seq.tokens[:p], state, blocks, self.blocks.finite(blocks, p),
+                                   kept)
 
-    def _prompt_logprobs(self, seq: Sequence, logits, first: int, n: int) -> None:
-        """Prompt logprobs from a chunk starting at position `first` (row i predicts prompt token first+i+1);
-        positions already reported (a preempted prefill computes them again) are skipped."""
-        group, k = seq.group, seq.params.prompt_logprobs
+    def _prompt_logprobs(self, seq: Sequence, logits: Tensor) -> Tensor:
+        """Prompt logprobs from the [n, V] logits of a chunk starting at seq.num_computed (row i predicts prompt
+        token num_computed+i+1); positions already reported (a preempted prefill computes them again) are
+        skipped. Returns the rows' log-softmax, which the chunk's prefix snapshots keep."""
+        group, k, first, n = seq.group, seq.params.prompt_logprobs, seq.num_computed, logits.shape[0]
         if group.prompt_logprobs is None:
             group.prompt_logprobs = [None]
+        lp = logits.log_softmax(-1)
         lo = len(group.prompt_logprobs)  # the next prompt position without a logprob
         hi = min(first + n, seq.num_prompt - 1)  # the last position a row of this chunk predicts
         if hi >= lo:
-            lp = logits[lo - first - 1: hi - first].log_softmax(-1)
-            group.prompt_logprobs.extend(token_logprobs(lp, seq.tokens[lo: hi + 1], k))
+            group.prompt_logprobs.extend(token_logprobs(lp[lo - first - 1: hi - first], seq.tokens[lo: hi + 1], k))
+        if first + n == seq.num_prompt:  # the prompt's last row: its end snapshot keeps it
+            group.prompt_end_row = lp[-1].clone()
+        return lp
 
     def _output(self, group: RequestState) -> RequestOutput:
         outs = []

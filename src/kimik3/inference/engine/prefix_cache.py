@@ -12,6 +12,9 @@ so a chat's next turn hits all of the previous one). The rules that every peer h
 - a restore copies the snapshot into the sequence's own slot; a recurrent state is never rewound;
 - one byte budget over snapshots and the MLA blocks they hold; LRU over entries that no deeper entry of
   the same chain extends (leaf first), so a long prefix's shallow parts go last.
+
+A request for prompt logprobs hits only an entry that kept them (`PromptLogprobs`, the same top-k): a hit must
+report the cached positions' logprobs too, and the first restored token's comes from the logits row before it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from kimik3.inference.engine.config import GRID
 from kimik3.inference.engine.pools import BlockPool
+from kimik3.inference.engine.request import RequestState, TokenLogprob
 from kimik3.model.state import SlotState
 
 
@@ -49,6 +53,24 @@ def grid_keys(root: bytes, tokens: list[int], upto: int) -> list[bytes]:
     return keys
 
 
+@dataclass(frozen=True, eq=False)
+class PromptLogprobs:
+    """What an entry for prompt[:p] keeps of a prompt_logprobs request's output (V vocabulary)."""
+
+    k: int  # the request's top-k per position
+    positions: tuple[TokenLogprob | None, ...]  # positions 0..p-1 (the first None)
+    next_row: torch.Tensor  # [V] fp32 log-softmax at position p-1: it scores a hitting prompt's token p
+
+
+def prompt_logprobs_at(group: RequestState, p: int, row: torch.Tensor | None) -> PromptLogprobs | None:
+    """The prompt logprobs an entry for group's tokens[:p] keeps, given `row` (the log-softmax at p-1); None
+    when the request has none there (no prompt_logprobs, or p past the prompt)."""
+    k, have = group.request.params.prompt_logprobs, group.prompt_logprobs
+    if k is None or row is None or have is None or len(have) < p or p > len(group.request.prompt_ids):
+        return None
+    return PromptLogprobs(k, tuple(have[:p]), row.clone())
+
+
 @dataclass(eq=False)
 class Entry:
     key: bytes
@@ -60,6 +82,7 @@ class Entry:
     nbytes: int
     last_used: int = 0
     children: int = 0  # deeper entries of the same chain (an entry with children is not evicted first)
+    logprobs: PromptLogprobs | None = None
 
 
 class PrefixCache:
@@ -81,16 +104,20 @@ class PrefixCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self.entries
 
-    def lookup(self, root: bytes, tokens: list[int], limit: int) -> Entry | None:
-        """The longest entry whose prefix is tokens[:p] with p <= limit (a hit leaves a token to compute)."""
+    def lookup(self, root: bytes, tokens: list[int], limit: int, logprobs_k: int | None = None) -> Entry | None:
+        """The longest entry whose prefix is tokens[:p] with p <= limit (a hit leaves a token to compute); with
+        `logprobs_k`, only among entries that kept prompt logprobs of that top-k."""
+        def usable(e: Entry) -> bool:
+            return logprobs_k is None or (e.logprobs is not None and e.logprobs.k == logprobs_k)
+
         keys = grid_keys(root, tokens, limit)
         for j in range(len(keys) - 1, -1, -1):
             ends = [self.entries[k] for k in self.ends.get(keys[j], ())]
             for e in sorted(ends, key=lambda e: -len(e.tokens)):
-                if len(e.tokens) <= limit and e.tokens == tuple(tokens[: len(e.tokens)]):
+                if len(e.tokens) <= limit and e.tokens == tuple(tokens[: len(e.tokens)]) and usable(e):
                     return self._touch(e)
             e = self.entries.get(keys[j]) if j else None
-            if e is not None and e.tokens == tuple(tokens[: GRID * j]):
+            if e is not None and e.tokens == tuple(tokens[: GRID * j]) and usable(e):
                 return self._touch(e)
         return None
 
@@ -107,10 +134,12 @@ class PrefixCache:
         return chain(keys[-1], tokens[GRID * (len(keys) - 1):], b"end"), keys[-1]
 
     def insert(self, root: bytes, tokens: list[int], state: SlotState, blocks: list[int],
-               finite_latents: torch.Tensor) -> bool:
-        """Add the state after `tokens` (a copy the caller made; `blocks` get one more reference each).
-        Refused (False) if it is not finite (counted: one host sync over the snapshot and the latents of
-        `blocks`, given as a device bool), already present, or larger than the whole budget."""
+               finite_latents: torch.Tensor, logprobs: PromptLogprobs | None = None) -> bool:
+        """Add the state after `tokens` (a copy the caller made; `blocks` get one more reference each), with
+        the prompt logprobs of `tokens` when the request computed them. Refused (False) if it is not finite
+        (counted: one host sync over the snapshot and the latents of `blocks`, given as a device bool), already
+        present (an entry without prompt logprobs takes these: the same tokens, the same state), or larger
+        than the whole budget."""
         p = len(tokens)
         keys = grid_keys(root, tokens, p)
         if p % GRID == 0:
@@ -118,17 +147,23 @@ class PrefixCache:
         else:
             key, under = self.end_key(root, tokens)
         if key in self.entries:
-            self._touch(self.entries[key])
+            old = self._touch(self.entries[key])
+            if logprobs is not None and old.logprobs is None:
+                old.logprobs = logprobs
+                old.nbytes += logprobs.next_row.nbytes
+                self.snapshot_bytes += logprobs.next_row.nbytes
+                self.evict(0, keep=old)
             return False
         if not bool(finite_latents & state.finite()):
             self.nonfinite_refused += 1
             return False
-        nbytes = state.nbytes
+        nbytes = state.nbytes + (logprobs.next_row.nbytes if logprobs is not None else 0)
         new_blocks = sum(1 for b in blocks if b not in self.block_holds)
         if nbytes + new_blocks * self.block_bytes > self.budget:
             return False
         ancestors = [k for k in keys[1:] if k != key]
-        e = Entry(key, tuple(tokens), state, list(blocks), ancestors, under, nbytes, next(self.clock))
+        e = Entry(key, tuple(tokens), state, list(blocks), ancestors, under, nbytes, next(self.clock),
+                  logprobs=logprobs)
         self.entries[key] = e
         if under is not None:
             self.ends.setdefault(under, []).append(key)

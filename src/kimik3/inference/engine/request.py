@@ -166,6 +166,7 @@ class RequestState:
     cached_tokens: int = 0
     media: list[int] = field(default_factory=list)  # prompt positions of the <|media_pad|> ids (mm_embeds rows)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_end_row: torch.Tensor | None = None  # [V] log-softmax at the prompt's last position (its end snapshot's)
     first_scheduled: float | None = None
     first_token: float | None = None
     finished_at: float | None = None

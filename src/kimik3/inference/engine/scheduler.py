@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from kimik3.inference.engine.config import GRID
 from kimik3.inference.engine.pools import BlockPool, SlotPool
-from kimik3.inference.engine.prefix_cache import PrefixCache
+from kimik3.inference.engine.prefix_cache import PrefixCache, PromptLogprobs, prompt_logprobs_at
 from kimik3.inference.engine.request import RequestState, Sequence, Status, TokenLogprob
+from kimik3.inference.engine.sampler import token_logprobs
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Scheduler:
     def _exports(self, seq: Sequence, n: int) -> list[int]:
         """Offsets in this chunk after which the state is snapshot: the grid points on the snapshot interval,
         and the prompt's last grid point (the one its own retries and identical prompts will hit)."""
-        if self.cache is None or seq.group.request.params.prompt_logprobs is not None:
+        if self.cache is None:
             return []
         start, end = seq.num_computed, seq.num_computed + n
         last = (seq.num_prompt - 1) // GRID * GRID
@@ -110,9 +111,9 @@ class Scheduler:
         """Give a waiting sequence a slot, restore its longest cached prefix, reserve its first chunk."""
         group = seq.group
         hit = None
-        use_cache = self.cache is not None and group.request.params.prompt_logprobs is None
+        use_cache = self.cache is not None
         if use_cache:
-            hit = self.cache.lookup(group.root_key, seq.tokens, len(seq.tokens) - 1)
+            hit = self.cache.lookup(group.root_key, seq.tokens, len(seq.tokens) - 1, seq.params.prompt_logprobs)
         slot = self.slots.allocate()
         if hit is not None:
             self.slots.load(slot, hit.state)
@@ -125,6 +126,8 @@ class Scheduler:
                 self._release(seq, slot)
                 return False
             seq.blocks, seq.num_computed = blocks, p
+            if hit.logprobs is not None and seq.params.prompt_logprobs is not None:
+                restore_prompt_logprobs(seq, hit.logprobs)
         seq.slot = slot
         n = self._chunk_size(seq, budget)
         if n == 0 or not self._reserve(seq, n):
@@ -192,10 +195,10 @@ class Scheduler:
         if seq.text is not None:
             seq.new_text += seq.text.flush()
         p = seq.num_computed
-        if self.cache is not None and seq.params.prompt_logprobs is None and p:
+        if self.cache is not None and p:
             blocks = seq.blocks[: -(-p // self.blocks.size)]
             self.cache.insert(seq.group.root_key, seq.tokens[:p], self.slots.save(seq.slot), blocks,
-                              self.blocks.finite(blocks, p))
+                              self.blocks.finite(blocks, p), prompt_logprobs_at(seq.group, p, seq.group.prompt_end_row))
         self.finish(seq)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> list[Sequence]:
@@ -231,3 +234,14 @@ class Scheduler:
 
     def add(self, group: RequestState) -> None:
         self.waiting.extend(group.seqs)
+
+
+def restore_prompt_logprobs(seq: Sequence, kept: PromptLogprobs) -> None:
+    """A prompt_logprobs request restored from tokens[:p] reports positions 1..p as a cold prefill would: the
+    entry's, then token p's from the entry's last row (positions it reported before a preemption stay)."""
+    group, p = seq.group, len(kept.positions)
+    have = group.prompt_logprobs or [None]
+    if len(have) >= min(p + 1, seq.num_prompt):
+        return
+    token_p = token_logprobs(kept.next_row[None], [seq.tokens[p]], kept.k)
+    group.prompt_logprobs = (have + list(kept.positions[len(have):]) + token_p)[: seq.num_prompt]
