@@ -79,3 +79,38 @@ def routed_experts_mxfp4_lora(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, 
         y_nL = _proj(h_nF, e, 2, packed, scales, lora_a, lora_b, scale)
         out_NL = out_NL.index_add(0, tok, y_nL.float() * topk_weight[tok, slot, None])
     return out_NL.to(z.dtype)
+
+
+def routed_experts_mxfp4_adapters(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: Factors,
+                                  scales: Factors, adapter: Tensor, lora_a: Factors, lora_b: Factors, scale: Tensor,
+                                  beta: float, linear_beta: float) -> Tensor:
+    """`routed_experts_mxfp4` for a batch whose tokens use different adapters (serving; no gradient needed).
+
+    Per expert the base matmul runs once over all its tokens (every adapter's and the base's); the adapters'
+    updates go through `kimik3.ops.lora.lora_delta`, grouped per adapter. A token of no adapter (-1) gets the
+    packed reference's value bit for bit.
+
+    Args:
+        adapter: [N] int64 adapter of each token, -1 for none.
+        lora_a: (A1 [K, E, R, L], A3 [K, E, R, L], A2 [K, E, R, F]); lora_b: (B1 [K, E, F, R], B3 [K, E, F, R],
+            B2 [K, E, L, R]): the K adapters' factors, shared layouts expanded per expert.
+        scale: [K] fp32 each adapter's experts' alpha / rank.
+        other arguments: as `routed_experts_mxfp4`.
+    """
+    from kimik3.ops.lora import lora_delta
+
+    out_NL = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+    for e in range(packed[0].shape[0]):
+        tok, slot = (topk_idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        z_nL, ad_n = z[tok], adapter[tok]
+
+        def proj(x: Tensor, k: int) -> Tensor:
+            base = x @ decode(packed[k][e], scales[k][e], x.dtype).T
+            return base + lora_delta(x, ad_n, lora_a[k][:, e], lora_b[k][:, e], scale)
+
+        h_nF = situ_glu(proj(z_nL, 0), proj(z_nL, 1), beta, linear_beta)
+        y_nL = proj(h_nF, 2)
+        out_NL = out_NL.index_add(0, tok, y_nL.float() * topk_weight[tok, slot, None])
+    return out_NL.to(z.dtype)
