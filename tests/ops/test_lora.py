@@ -12,15 +12,15 @@ from kimik3.ops.moe import routed_experts_mxfp4_adapters, routed_experts_mxfp4_l
 from tests.helpers import rel_err
 from tests.ops.test_moe_fast import mx_experts, routing
 
-N, I, O, K, R = 37, 48, 40, 3, 8
+N, IN, OUT, K, R = 37, 48, 40, 3, 8
 
 
 def _batch(gen, dtype=torch.float32):
-    x = torch.randn(N, I, generator=gen).to(dtype)
+    x = torch.randn(N, IN, generator=gen).to(dtype)
     adapter = torch.randint(-1, K, (N,), generator=gen)
     adapter[:4] = torch.tensor([-1, 0, 1, 2])  # every adapter and the base present
-    a = torch.randn(K, R, I, generator=gen) / I ** 0.5
-    b = torch.randn(K, O, R, generator=gen)
+    a = torch.randn(K, R, IN, generator=gen) / IN ** 0.5
+    b = torch.randn(K, OUT, R, generator=gen)
     a[1, R // 2:] = 0  # adapter 1 has rank R/2, zero-padded
     b[1, :, R // 2:] = 0
     scale = torch.tensor([0.5, 2.0, 1.25])
@@ -51,7 +51,7 @@ def test_grouped_equals_the_reference_loop(dtype):
 def test_grouped_with_no_adapter_rows_and_with_no_base_rows():
     x, adapter, a, b, scale = _batch(torch.Generator().manual_seed(2))
     none = torch.full_like(adapter, -1)
-    assert torch.equal(grouped.lora_delta(x, none, a, b, scale), torch.zeros(N, O))
+    assert torch.equal(grouped.lora_delta(x, none, a, b, scale), torch.zeros(N, OUT))
     full = adapter.clamp(min=0)
     assert rel_err(grouped.lora_delta(x, full, a, b, scale), reference.lora_delta(x, full, a, b, scale)) < 1e-5
 

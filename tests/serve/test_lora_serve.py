@@ -24,7 +24,8 @@ PROMPT, TOKENS = "ab", 8
 def folders(ckpt, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("serve-lora")
     out = {}
-    for name, seed, targets in (("poet", 5, TARGETS), ("clerk", 6, ["*.block_sparse_moe.experts", "language_model.*.mlp.*"])):
+    clerk = ["*.block_sparse_moe.experts", "language_model.*.mlp.*"]  # not the vision tower's MLPs
+    for name, seed, targets in (("poet", 5, TARGETS), ("clerk", 6, clerk)):
         model = lora.apply(load_base(ckpt), lora.LoraConfig(rank=4, targets=targets))
         randomize_adapter(model, seed=seed)
         out[name] = str(lora.save(model, root / name))

@@ -8,7 +8,8 @@ so a chat's next turn hits all of the previous one). The rules that every peer h
 
 - an entry is inserted only after its state was written, and only if it is finite (else it is counted);
 - keys chain over the token ids from a root that hashes the model identity, dtype, the request's
-  cache_salt, its media hashes and its LoRA adapter (a prefix cached under one adapter is another state); a hit also compares the stored tokens (no trust in the hash alone);
+  cache_salt, its media hashes and its LoRA adapter (under another adapter a prefix is another state); a
+  hit also compares the stored tokens (no trust in the hash alone);
 - a restore copies the snapshot into the sequence's own slot; a recurrent state is never rewound;
 - one byte budget over snapshots and the MLA blocks they hold; LRU over entries that no deeper entry of
   the same chain extends (leaf first), so a long prefix's shallow parts go last.
