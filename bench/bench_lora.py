@@ -54,14 +54,14 @@ from bench.train_parts import (  # noqa: E402
     time_optimizer,
 )
 from kimik3 import lora  # noqa: E402
+from kimik3.lora.memory import BENCH_TARGETS  # noqa: E402
 from kimik3.presets import load_config  # noqa: E402
 from kimik3.quant import pack_experts  # noqa: E402
 from kimik3.train.balancing import Balancer  # noqa: E402
 from kimik3.train.optim import build_optimizer  # noqa: E402
 from kimik3.train.step import optimizer_phase  # noqa: E402
 
-TARGETS = ["*.self_attn.*_proj", "*.self_attn.kv_a_proj_with_mqa", "*.mlp.*_proj", "*.shared_experts.*_proj",
-           "*.block_sparse_moe.experts"]
+TARGETS = BENCH_TARGETS  # attention, the dense MLP, shared and routed experts (BENCHMARKS.md's memory table too)
 MEMORY_TARGET, TIME_TARGET = 0.5, 0.7  # LoRA / full fine-tuning
 
 
