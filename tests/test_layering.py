@@ -5,7 +5,7 @@ Inside the package the rooms form a fan, not a chain:
     config <- ops <- model <- quant (transforms of a built model) <- {checkpoint, inference, atlas} <- distributed
         <- train <- cli
     tokenizer and vision (preprocessing) sit beside ops; serve sits on inference + tokenizer; lora (adapters over the
-    frozen base) sits on model + checkpoint and under train; the model never imports lora
+    frozen base) sits on model + checkpoint and under train and the engine; the model never imports lora
     hf (transformers classes, lm-eval model) sits on model, checkpoint, tokenizer and inference; only cli imports it
 
 Outside it: nothing imports `tests/` but `tests/`; nothing in `src/` imports `bench/` or `tools/`; `bench/` and
@@ -30,7 +30,8 @@ ALLOWED = {
     "atlas": {"config", "ops", "model", "checkpoint", "presets", "tokenizer"},
     "tokenizer": {"config"},
     "vision": {"config", "ops", "model"},
-    "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets", "quant"},
+    # the engine serves LoRA adapters (inference/engine -> lora.serving); lora never imports inference
+    "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets", "quant", "lora"},
     "serve": {"config", "ops", "model", "checkpoint", "inference", "tokenizer", "presets", "vision"},
     "distributed": {"config", "ops", "model", "checkpoint"},
     # train/draft.py trains the speculative drafter of inference/spec (a model that serves inference)

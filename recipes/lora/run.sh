@@ -20,3 +20,4 @@ python3 recipes/lora/evaluate.py "$recipe" --adapter "$adapter" > "$out/eval_aft
 python3 -m kimik3 lora merge "$base" "$adapter" "$out/merged" --experts mxfp4 --quiet
 python3 -m kimik3 generate --lora "$adapter" --prompt "CAPTAIN:" --max-new-tokens 60 --seed 0 > "$out/sample.txt"
 cat "$out/eval_before.json" "$out/eval_after.json"
+echo "serve it beside the base: python3 -m kimik3 serve --lora shanty=$adapter   (then \"model\": \"shanty\")"

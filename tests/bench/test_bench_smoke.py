@@ -92,3 +92,13 @@ def test_training_step_bench_runs_the_peer_first(tmp_path):
     _run("bench.bench_train", tmp_path, "--smoke", *fast, "--peer", f"{sys.executable} -c 'print(1)'")
     peer = json.loads((tmp_path / "bench_train_smoke.json").read_text())["peer"]
     assert peer["source"] == "design.md 6" and peer["ms"] == 732.0 and peer["attempted"] == "exit 0"
+
+
+def test_lora_bench_smoke_times_both_steps(tmp_path):
+    """bench_lora.py --smoke: the LoRA step (MXFP4 experts, adapter on every target) and the full step both ran."""
+    _run("bench.bench_lora", tmp_path, "--smoke")
+    data = json.loads((tmp_path / "bench_lora.json").read_text())
+    lo, full = data["lora"], data["full"]
+    assert lo["error"] is None and lo["finite_gradients"] and lo["ms"] > 0 and lo["adapter_params"] > 0
+    assert full["ms"] > 0 and full["adamw_states_gib"] == 2 * full["weights_gib"] > 0
+    assert data["time_ratio"] > 0 and lo["frozen_gib"] < full["weights_gib"]  # packed experts: a smaller base

@@ -1,5 +1,5 @@
-"""`kimik3 serve [--model DIR] [--host 127.0.0.1] [--port 8000] [engine flags] [--served-model-name] [--api-key]`:
-an OpenAI-compatible HTTP server (needs the `serve` extra)."""
+"""`kimik3 serve [--model DIR] [--host 127.0.0.1] [--port 8000] [engine flags] [--served-model-name] [--api-key]
+[--lora NAME=PATH ...]`: an OpenAI-compatible HTTP server (needs the `serve` extra)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the hub id, else the folder name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a LoRA adapter folder (PEFT format, as kimik3 train writes) as model NAME (repeatable, "
+                        "as vLLM's --lora-modules): a request's model field picks it; requests of different adapters "
+                        "and of the base share each batch")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run)
 
@@ -45,6 +49,22 @@ def _generation_defaults(path) -> dict:
     return {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
 
 
+def adapters(args) -> dict[str, str]:
+    """--lora NAME=PATH flags -> {name: path}, each folder's adapter config read (a wrong one fails before the load)."""
+    from kimik3.lora import read_config
+
+    out: dict[str, str] = {}
+    for item in getattr(args, "lora", None) or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {item!r}: expected NAME=PATH (a model name for requests, an adapter folder)")
+        if name in out:
+            raise ValueError(f"--lora {item!r}: the name {name!r} is given twice")
+        read_config(path)
+        out[name] = path
+    return out
+
+
 def check_args(args, path):
     """Every flag checked before anything starts (the engine's against the checkpoint's config): the config."""
     from kimik3.config import K3Config
@@ -53,6 +73,7 @@ def check_args(args, path):
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.max_pending < 1:
         raise ValueError(f"--max-pending must be at least 1, got {args.max_pending}")
+    args.adapters = adapters(args)
     positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
     return engine_config(args, positions, warmup=True)
 
@@ -73,13 +94,18 @@ def build_engine(args, path, config=None):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else None)
     tokenizer = Tokenizer.from_file(path)
-    model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True).eval()
+    served = getattr(args, "adapters", None) or {}
+    # adapters on routed experts run over the stored MXFP4 codes (kimik3.lora.serving)
+    model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True,
+                        keep_experts_packed=bool(served)).eval()
     pick_cpu_threads(model, device, args.threads)
-    relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
+    if not served:
+        relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
     log = logging.getLogger("kimik3.serve")
     if config.warmup:
         log.info("warming up: every prefill shape up to %d tokens and the decode graphs", config.max_num_batched_tokens)
-    engine = Engine(model, config, eos_token_ids=end_ids(model, tokenizer), model_id=str(path), tokenizer=tokenizer)
+    engine = Engine(model, config, eos_token_ids=end_ids(model, tokenizer), model_id=str(path), tokenizer=tokenizer,
+                    adapters=served or None)
     return engine, tokenizer, model.config.text.vocab_size
 
 
@@ -116,7 +142,9 @@ def run(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kimik3").setLevel(args.log_level.upper())
     name = args.served_model_name or (args.model if is_hub_id(args.model or "") else path.name)
-    server = Server(ServerConfig(model_name=name, api_key=args.api_key,
+    if name in args.adapters:
+        raise ValueError(f"--lora {name}=...: {name!r} is the base model's name (--served-model-name)")
+    server = Server(ServerConfig(model_name=name, adapters=args.adapters, api_key=args.api_key,
                                  max_pending=args.max_pending, defaults=_generation_defaults(path)))
     app = build_app(server)
     failed: list[BaseException] = []

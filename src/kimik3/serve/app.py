@@ -43,7 +43,9 @@ class ServerConfig:
     """Front-end settings (engine settings belong to the engine).
 
     Attributes:
-        model_name: the id clients send as `model` (others get 404).
+        model_name: the id clients send as `model` for the base (others get 404).
+        adapters: LoRA adapters the engine serves, name -> folder (as vLLM's --lora-modules): a request whose
+            `model` is a name runs that adapter; /v1/models lists them after the base.
         api_key: when set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
         max_pending: admitted requests (running + waiting) at most; beyond it 503.
         defaults: sampling defaults for unset fields (the checkpoint's generation_config.json keys).
@@ -51,6 +53,7 @@ class ServerConfig:
     """
 
     model_name: str = "kimik3"
+    adapters: dict[str, str] = field(default_factory=dict)
     api_key: str | None = None
     max_pending: int = 1024
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -113,11 +116,20 @@ class Server:
         vocab = self._grammar_vocab
         return lambda: GrammarConstraint(vocab, grammar)
 
-    def check_model(self, body: dict) -> None:
+    def check_model(self, body: dict) -> str | None:
+        """The adapter a request's `model` names (None: the base, or no model given); 404 for any other name."""
         model = body.get("model")
-        if model is not None and model != self.config.model_name:
-            raise APIError(f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
-                           status=404, param="model", code="model_not_found")
+        if model is None or model == self.config.model_name:
+            return None
+        if isinstance(model, str) and model in self.config.adapters:
+            return model
+        served = ", ".join(map(repr, [self.config.model_name, *self.config.adapters]))
+        raise APIError(f"model {model!r} does not exist; this server serves {served}", status=404, param="model",
+                       code="model_not_found")
+
+    def model_name(self, adapter: str | None) -> str:
+        """The id a response names: the adapter's, else the base's."""
+        return adapter if adapter is not None else self.config.model_name
 
     def max_tokens(self, prompt_len: int, requested: int | None, default: int | None = None,
                    prompt_param: str = "messages") -> int:
@@ -198,9 +210,11 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         ready()
-        return {"object": "list", "data": [{"id": server.config.model_name, "object": "model",
-                                            "created": server.created, "owned_by": "kimik3",
-                                            "root": server.config.model_name, "max_model_len": server.max_model_len}]}
+        base = server.config.model_name
+        card = {"object": "model", "created": server.created, "owned_by": "kimik3",
+                "max_model_len": server.max_model_len}
+        return {"object": "list", "data": [{"id": base, **card, "root": base, "parent": None}]
+                + [{"id": name, **card, "root": path, "parent": base} for name, path in server.config.adapters.items()]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

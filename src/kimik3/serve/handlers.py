@@ -201,11 +201,12 @@ async def chat_completion(server, http: Request, body: dict):
                           forced_tool=forced)
                for i in range(n)]
     job = _Job(server, http)
+    adapter = server.check_model(body)
     await job.submit([_engine_request(request_id=request_id, prompt_ids=prompt, params=params,
                                       cache_salt=plan.cache_salt, constraint=constraint,
-                                      constraint_factory=factory)])
+                                      constraint_factory=factory, adapter=adapter)])
     created = int(time.time())
-    head = {"id": request_id, "created": created, "model": server.config.model_name}
+    head = {"id": request_id, "created": created, "model": server.model_name(adapter)}
 
     def finish():
         completion_tokens = sum(c.seen for c in choices)
@@ -290,6 +291,7 @@ async def completion(server, http: Request, body: dict):
     # max_tokens 0 (echo only): the engine runs the prompt and samples one token, which the response leaves out
     echo_only = plan.sampling.max_tokens == 0
     request_id = server.new_id("cmpl")
+    adapter = server.check_model(body)
     requests, budgets = [], []
     for k, ids in enumerate(prompts):
         if not ids:
@@ -301,7 +303,7 @@ async def completion(server, http: Request, body: dict):
                                                     prompt_logprobs=plan.logprobs if plan.echo else None,
                                                     engine_stops=True))
         requests.append(_engine_request(request_id=f"{request_id}-{k}", prompt_ids=ids, params=params,
-                                        cache_salt=plan.cache_salt))
+                                        cache_salt=plan.cache_salt, adapter=adapter))
     choices = [TextChoice(k * n + i, tok, stops=plan.sampling.stop, logprobs=plan.logprobs,
                           skip_special_tokens=plan.skip_special_tokens)
                for k in range(len(prompts)) for i in range(n)]
@@ -309,7 +311,7 @@ async def completion(server, http: Request, body: dict):
     job = _Job(server, http)
     await job.submit(requests)
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": server.config.model_name}
+            "model": server.model_name(adapter)}
     cached = [0] * len(prompts)
 
     def finish():

@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +37,7 @@ from kimik3.inference.engine.runner import ModelRunner, logit_rows, take_rows
 from kimik3.inference.engine.sampler import sample, token_logprobs
 from kimik3.inference.engine.scheduler import Chunk, Scheduler
 from kimik3.inference.sampling import SamplingParams
+from kimik3.lora.serving import attach_adapters
 from kimik3.model.state import SlotState, StatePool, state_specs
 from kimik3.ops.kda import supports_checkpoints
 from kimik3.tokenizer.stops import StopDecoder
@@ -49,15 +51,22 @@ class Engine:
         eos_token_ids: ids that end every request (unless its ignore_eos).
         tokenizer: a `kimik3.tokenizer.Tokenizer`: outputs carry their visible text, and stop strings stop.
         model_id: part of every prefix key (two models never share a cache entry).
+        adapters: LoRA adapters to serve, name -> PEFT-format folder (`kimik3.lora.attach_adapters` puts them on
+            `model`, in place); a request names one (`Request.adapter`), and requests of different adapters and of
+            none share each step. Decode steps then run eagerly (no CUDA graphs).
         sync_tokens: called in place on each step's sampled ids [M] (int64, on the model's device) before they
             are used; ranks generating together (tensor / expert parallel) pass a broadcast from rank 0.
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig | None = None, *, eos_token_ids: Seq[int] = (),
                  tokenizer=None, model_id: str = "", sync_tokens: Callable[[Tensor], object] | None = None,
-                 **overrides):
+                 adapters: dict[str, str | Path] | None = None, **overrides):
         cfg = dataclasses.replace(config or EngineConfig(), **overrides)
         lm = model.language_model if hasattr(model, "language_model") else model
+        if adapters and cfg.use_cuda_graphs:
+            raise ValueError("use_cuda_graphs with adapters: the adapters' updates read row counts on the host "
+                             "(their decode steps run eagerly); leave use_cuda_graphs unset")
+        self.adapters = attach_adapters(lm, adapters) if adapters else None
         self.config, self.model, self.tokenizer, self.sync_tokens = cfg, lm, tokenizer, sync_tokens
         self.media_id = getattr(model.config, "media_placeholder_token_id", None)
         text = lm.config
@@ -88,9 +97,10 @@ class Engine:
                                    max_model_len=self.max_model_len, eos_token_ids=tuple(eos_token_ids))
         # by default on CUDA in 16-bit: fp32 routed experts run the reference loop, which reads expert counts on
         # the host and so cannot be captured
-        graphs = (w.is_cuda and w.dtype != torch.float32) if cfg.use_cuda_graphs is None else cfg.use_cuda_graphs
+        graphs = (w.is_cuda and w.dtype != torch.float32 and not adapters) if cfg.use_cuda_graphs is None \
+            else cfg.use_cuda_graphs
         with torch.no_grad():
-            self.runner = ModelRunner(lm, self.pool, max_blocks, graphs, cfg.max_num_seqs)
+            self.runner = ModelRunner(lm, self.pool, max_blocks, graphs, cfg.max_num_seqs, self.adapters)
             if cfg.warmup:
                 self.runner.warmup(cfg.max_num_batched_tokens)
         self.model_id = model_id
@@ -123,7 +133,15 @@ class Engine:
         if p.n > self.scheduler.max_num_seqs:
             raise ValueError(f"request {request.request_id!r}: n = {p.n} exceeds max_num_seqs "
                              f"{self.scheduler.max_num_seqs}")
-        group = RequestState(request, root_key(self.model_id, self.dtype, request.cache_salt, request.mm_hashes))
+        adapter = ""
+        if request.adapter is not None:
+            if self.adapters is None:
+                raise ValueError(f"request {request.request_id!r}: adapter {request.adapter!r}, but the engine "
+                                 "serves no adapters")
+            k = self.adapters.index(request.adapter)
+            adapter = f"{request.adapter}@{self.adapters.paths[k]}"
+        group = RequestState(request, root_key(self.model_id, self.dtype, request.cache_salt, request.mm_hashes,
+                                               adapter))
         if request.mm_embeds is not None:
             group.media = [i for i, t in enumerate(ids) if t == self.media_id]
             if len(group.media) != request.mm_embeds.shape[0]:

@@ -8,7 +8,8 @@ so a chat's next turn hits all of the previous one). The rules that every peer h
 
 - an entry is inserted only after its state was written, and only if it is finite (else it is counted);
 - keys chain over the token ids from a root that hashes the model identity, dtype, the request's
-  cache_salt and its media hashes; a hit also compares the stored tokens (no trust in the hash alone);
+  cache_salt, its media hashes and its LoRA adapter (under another adapter a prefix is another state); a
+  hit also compares the stored tokens (no trust in the hash alone);
 - a restore copies the snapshot into the sequence's own slot; a recurrent state is never rewound;
 - one byte budget over snapshots and the MLA blocks they hold; LRU over entries that no deeper entry of
   the same chain extends (leaf first), so a long prefix's shallow parts go last.
@@ -32,11 +33,14 @@ from kimik3.inference.engine.request import RequestState, TokenLogprob
 from kimik3.model.state import SlotState
 
 
-def root_key(model_id: str, dtype: torch.dtype, cache_salt: str | None, mm_hashes: tuple[str, ...]) -> bytes:
+def root_key(model_id: str, dtype: torch.dtype, cache_salt: str | None, mm_hashes: tuple[str, ...],
+             adapter: str = "") -> bytes:
     """Everything besides the token ids that changes the state (all media hashes go in the root: two
-    prompts with different images share nothing, which is conservative and exact)."""
+    prompts with different images share nothing, which is conservative and exact); `adapter` names the
+    request's LoRA adapter ("" for the base)."""
     h = hashlib.sha256()
-    for part in (model_id, str(dtype), "salt:" + (cache_salt or ""), *("mm:" + m for m in mm_hashes)):
+    for part in (model_id, str(dtype), "salt:" + (cache_salt or ""), "lora:" + adapter,
+                 *("mm:" + m for m in mm_hashes)):
         h.update(part.encode() + b"\0")
     return h.digest()
 

@@ -37,6 +37,7 @@ class Request:
     # for n > 1 the engine forks the request into n sequences; each gets constraint_factory() if given
     constraint_factory: Callable[[], TokenConstraint] | None = None
     mm_embeds: torch.Tensor | None = None  # [pads, D] what each <|media_pad|> of the prompt embeds to, in order
+    adapter: str | None = None  # a LoRA adapter the engine serves (Engine(adapters=...)), None for the base
 
 
 @dataclass

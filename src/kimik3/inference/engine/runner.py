@@ -11,12 +11,14 @@ Legend: N sequences in the step, T packed tokens, M logit rows, MB blocks per ta
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 from torch import Tensor, nn
 
 from kimik3.inference.engine.scheduler import Chunk
+from kimik3.lora.serving import ServedAdapters
 from kimik3.model.moe import warm_experts
 from kimik3.model.state import StatePool
 from kimik3.model.step import build_step, decode_step
@@ -54,8 +56,8 @@ class BlockTable:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, pool: StatePool, max_blocks: int, use_cuda_graphs: bool,
-                 max_num_seqs: int):
-        self.model, self.pool, self.max_blocks = model, pool, max_blocks
+                 max_num_seqs: int, adapters: ServedAdapters | None = None):
+        self.model, self.pool, self.max_blocks, self.adapters = model, pool, max_blocks, adapters
         self.device = next(model.parameters()).device
         self.table = BlockTable(pool, max_blocks)
         self.sizes = sorted({n for n in GRAPH_BUCKETS if n < max_num_seqs} | {max_num_seqs})
@@ -108,9 +110,18 @@ class ModelRunner:
                 if m is not None:
                     embeds[0, [start + r for r in m[0]]] = m[1].to(embeds.dtype)
                 start += c.num_tokens
-        logits = self.model(ids, state=self.pool, step=step, inputs_embeds=embeds,
-                            logits_at=torch.tensor(logit_rows, dtype=torch.long, device=self.device))[0]
+        with self._adapter_rows(chunks):
+            logits = self.model(ids, state=self.pool, step=step, inputs_embeds=embeds,
+                                logits_at=torch.tensor(logit_rows, dtype=torch.long, device=self.device))[0]
         return logits.float(), step.kda_exports
+
+    def _adapter_rows(self, chunks: list[Chunk]):
+        """Each packed token row's LoRA adapter for the forward (-1: the base), when the engine serves some."""
+        a = self.adapters
+        if a is None:
+            return contextlib.nullcontext()
+        index = [k for c in chunks for k in [a.index(c.seq.group.request.adapter)] * c.num_tokens]
+        return a.rows(index, self.device)
 
     def warmup(self, max_tokens: int) -> None:
         """Run each shape the engine meets once on the scratch rows, so nothing compiles or autotunes after it:

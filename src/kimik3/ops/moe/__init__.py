@@ -97,6 +97,28 @@ def routed_experts_mxfp4_lora(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, 
     return lora.routed_experts_mxfp4_lora(z, topk_idx, topk_weight, packed, scales, lora_a, lora_b, scale, beta,
                                           linear_beta)
 
+
+def routed_experts_mxfp4_adapters(z: Tensor, topk_idx: Tensor, topk_weight: Tensor,
+                                  packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor],
+                                  adapter: Tensor, lora_a: tuple[Tensor, Tensor, Tensor],
+                                  lora_b: tuple[Tensor, Tensor, Tensor], scale: Tensor, beta: float,
+                                  linear_beta: float) -> Tensor:
+    """`routed_experts_mxfp4` for tokens of different LoRA adapters in one batch (serving): each expert's base
+    matmul shared by all its tokens, the adapters' updates grouped per adapter (`kimik3.ops.lora.lora_delta`).
+    `.lora`'s per-expert loop on every device for now (it reads expert counts on the host).
+
+    Args:
+        adapter: [N] int64 adapter of each token, -1 for none (that token's result is the base's).
+        lora_a, lora_b: the K adapters' factors per projection, [K, E, R, in] and [K, E, out, R].
+        scale: [K] fp32 each adapter's alpha / rank.
+        other arguments: as `routed_experts_mxfp4`.
+    """
+    from kimik3.ops.moe import lora
+
+    return lora.routed_experts_mxfp4_adapters(z, topk_idx, topk_weight, packed, scales, adapter, lora_a, lora_b,
+                                              scale, beta, linear_beta)
+
+
 def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, relaid, beta: float,
                           linear_beta: float) -> Tensor:
     """`routed_experts_mxfp4` on experts in Humming's layout (`humming.relayout` of the packed codes and scales):

@@ -15,6 +15,10 @@ The base weights never get a gradient and no dense copy of them outlives one exp
 decodes W in the forward, keeps only the (already resident) codes for backward, and decodes them again there to
 compute dX = dY W. The LoRA terms are plain autograd, so dA, dB and dz follow. With every B zero the output is
 `reference.routed_experts_mxfp4`'s bit for bit (each LoRA term adds exactly +0).
+
+`routed_experts_mxfp4_adapters` is the serving form: the tokens of one call belong to different adapters (K of
+them, factors stacked [K, E, ...]) or to none; each expert's base matmul is shared by all its tokens and the
+adapters' updates go through `kimik3.ops.lora.lora_delta`, grouped per adapter.
 """
 
 from __future__ import annotations
@@ -77,5 +81,43 @@ def routed_experts_mxfp4_lora(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, 
         h_nF = situ_glu(_proj(z_nL, e, 0, packed, scales, lora_a, lora_b, scale),
                         _proj(z_nL, e, 1, packed, scales, lora_a, lora_b, scale), beta, linear_beta)
         y_nL = _proj(h_nF, e, 2, packed, scales, lora_a, lora_b, scale)
+        out_NL = out_NL.index_add(0, tok, y_nL.float() * topk_weight[tok, slot, None])
+    return out_NL.to(z.dtype)
+
+
+def _adapted(x: Tensor, e: int, k: int, packed: Factors, scales: Factors, adapter: Tensor, lora_a: Factors,
+             lora_b: Factors, scale: Tensor) -> Tensor:
+    """Projection k of expert e on x [n, in]: the base matmul once for all rows, each row's adapter update added."""
+    from kimik3.ops.lora import lora_delta
+
+    base = x @ decode(packed[k][e], scales[k][e], x.dtype).T
+    return base + lora_delta(x, adapter, lora_a[k][:, e], lora_b[k][:, e], scale)
+
+
+def routed_experts_mxfp4_adapters(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: Factors,
+                                  scales: Factors, adapter: Tensor, lora_a: Factors, lora_b: Factors, scale: Tensor,
+                                  beta: float, linear_beta: float) -> Tensor:
+    """`routed_experts_mxfp4` for a batch whose tokens use different adapters (serving; no gradient needed).
+
+    Per expert the base matmul runs once over all its tokens (every adapter's and the base's); the adapters'
+    updates go through `kimik3.ops.lora.lora_delta`, grouped per adapter. A token of no adapter (-1) gets the
+    packed reference's value bit for bit.
+
+    Args:
+        adapter: [N] int64 adapter of each token, -1 for none.
+        lora_a: (A1 [K, E, R, L], A3 [K, E, R, L], A2 [K, E, R, F]); lora_b: (B1 [K, E, F, R], B3 [K, E, F, R],
+            B2 [K, E, L, R]): the K adapters' factors, shared layouts expanded per expert.
+        scale: [K] fp32 each adapter's experts' alpha / rank.
+        other arguments: as `routed_experts_mxfp4`.
+    """
+    out_NL = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+    for e in range(packed[0].shape[0]):
+        tok, slot = (topk_idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        z_nL, ad_n = z[tok], adapter[tok]
+        g_nF, u_nF = (_adapted(z_nL, e, k, packed, scales, ad_n, lora_a, lora_b, scale) for k in (0, 1))
+        h_nF = situ_glu(g_nF, u_nF, beta, linear_beta)
+        y_nL = _adapted(h_nF, e, 2, packed, scales, ad_n, lora_a, lora_b, scale)
         out_NL = out_NL.index_add(0, tok, y_nL.float() * topk_weight[tok, slot, None])
     return out_NL.to(z.dtype)

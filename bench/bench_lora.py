@@ -1,0 +1,199 @@
+"""A LoRA training step against today's full fine-tuning step on the real-dims 4-layer slice
+(configs/slice-train-4.json, B=1, T=8192, bf16): peak memory (target <= 0.5x) and step time (target <= 0.7x).
+
+LoRA: rank 16 on every attention projection, the dense MLP, the shared experts and every routed expert (per-expert
+factors), the frozen base in bf16 with its routed experts MXFP4-packed (`kimik3.quant.pack_experts`, the W4A16
+path of `kimik3.ops.moe.routed_experts_mxfp4_lora`: the input gradient through the codes, no bf16 copy of the
+experts), fp32 factors and AdamW states, the router bias frozen (balancing "frozen", as `kimik3 train` with a
+[lora] table). The step is what the trainer runs: forward through `CausalLMLoss` under bf16 autocast, backward,
+`optimizer_phase` (clip folded into `build_optimizer`'s AdamW) -- all of it resident and timed as one.
+
+Full fine-tuning: `bench_train.py`'s bf16 step (bf16 experts): forward+backward timed with the gradients allocated,
+then the trainer's optimizer phase on those gradients; its step time is their sum. bf16 weights, gradients and
+AdamW's two states do not fit one H200 together with a forward's activations, so its peak is reported as measured
+in the forward+backward plus the AdamW states that a real step keeps resident (two per weight, the weights'
+dtype): the memory that step needs. The ratios are LoRA / full on those numbers.
+
+    PYTHONPATH=src:. python3 bench/bench_lora.py          # device: table + $OUT/bench_lora.json
+    .venv/bin/python bench/bench_lora.py --smoke          # CPU: configs/tiny.json, T=128, rank 4, the same code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT / "src", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before torch touches CUDA
+
+import torch  # noqa: E402
+
+from bench.common import table, write_json  # noqa: E402
+from bench.train_parts import (  # noqa: E402
+    GiB,
+    Setup,
+    attempt,
+    build,
+    describe,
+    free,
+    fwd_bwd,
+    make_batch,
+    peak_gib,
+    release,
+    reset_peak,
+    set_checkpointing,
+    time_fwd_bwd,
+    time_ms,
+    time_optimizer,
+)
+from kimik3 import lora  # noqa: E402
+from kimik3.lora.memory import BENCH_TARGETS  # noqa: E402
+from kimik3.presets import load_config  # noqa: E402
+from kimik3.quant import pack_experts  # noqa: E402
+from kimik3.train.balancing import Balancer  # noqa: E402
+from kimik3.train.optim import build_optimizer  # noqa: E402
+from kimik3.train.step import optimizer_phase  # noqa: E402
+
+TARGETS = BENCH_TARGETS  # attention, the dense MLP, shared and routed experts (BENCHMARKS.md's memory table too)
+MEMORY_TARGET, TIME_TARGET = 0.5, 0.7  # LoRA / full fine-tuning
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+def full_step(cfg, T: int, device: torch.device, args) -> dict:
+    """Today's full fine-tuning step in bf16 (see the module docstring)."""
+    s = build(cfg, "bf16", device, args.loss_chunk)
+    weights = sum(p.numel() * p.element_size() for p in s.lm.parameters())
+    fb = time_fwd_bwd(s, T, True, False, device, args.warmup, args.rep)
+    opt = time_optimizer(s, T, device, args.warmup, args.rep, kinds=())
+    release(s, device)
+    del s
+    free(device)
+    phase = (opt.get("trainer") or {}).get("ms")
+    out = {"weights_gib": weights / GiB, "adamw_states_gib": 2 * weights / GiB, "fwd_bwd": fb, "optimizer": opt}
+    if fb.get("ms") is not None and phase is not None:
+        out["ms"] = fb["ms"] + phase
+    if fb.get("peak_gib") is not None:
+        out["peak_gib"] = fb["peak_gib"] + out["adamw_states_gib"]
+    return out
+
+
+def lora_setup(cfg, device: torch.device, args) -> Setup:
+    """The slice with bf16 (or --base-dtype) frozen weights, MXFP4 routed experts and the rank-R adapter."""
+    s = build(cfg, args.base_dtype, device, args.loss_chunk)
+    pack_experts(s.lm)  # the bf16 experts are encoded and dropped, layer by layer
+    free(device)
+    lora.apply(s.lm, lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank, targets=TARGETS))
+    return Setup(s.lm, s.model, Balancer(s.lm, "frozen"))
+
+
+def lora_step(cfg, T: int, device: torch.device, args) -> dict:
+    s = lora_setup(cfg, device, args)
+    log(lora.format_adapter_size(s.lm))
+    frozen = sum(p.numel() * p.element_size() for p in s.lm.parameters() if not p.requires_grad)
+    frozen += sum(b.numel() * b.element_size() for b in s.lm.buffers())
+    trainable = [p for p in s.lm.parameters() if p.requires_grad]
+    opt = build_optimizer(s.model, "adamw", 3e-4, 0.0, (0.9, 0.95), 1e-8)
+    set_checkpointing(s.model, False)
+    batch = make_batch(s.lm.config.vocab_size, T, device, packed=True)
+
+    def step():
+        fwd_bwd(s, batch, device, precision="bf16")
+        optimizer_phase(s.model, opt, s.balancer, 1.0)
+
+    out = {"base_dtype": args.base_dtype, "rank": args.rank,
+           "frozen_gib": frozen / GiB, "adapter_params": sum(p.numel() for p in trainable),
+           "adapter_gib": sum(p.numel() * p.element_size() for p in trainable) / GiB}
+    _, err = attempt(step, device)  # the optimizer states exist from here on, as in a running job
+    if err:
+        out["error"] = err
+    else:
+        reset_peak(device)
+        ms, err = attempt(lambda: time_ms(step, args.warmup, args.rep, device), device)
+        out.update(ms=ms, peak_gib=peak_gib(device), error=err)
+        out["finite_gradients"] = bool(all(p.grad is None or torch.isfinite(p.grad).all() for p in trainable))
+    opt.optimizers.clear()
+    release(s, device)
+    free(device)
+    return out
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU logic check: configs/tiny.json, T=128, rank 4")
+    ap.add_argument("--config", default="configs/slice-train-4.json")
+    ap.add_argument("--tokens", type=int, default=8192, help="T of the one-row batch (B=1)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--base-dtype", choices=("bf16", "fp32-master"), default="bf16",
+                    help="the frozen non-expert weights (kimik3 train loads an fp32 base today)")
+    ap.add_argument("--loss-chunk", type=int, default=1024)
+    ap.add_argument("--skip-full", action="store_true", help="time the LoRA step only")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rep", type=int, default=6)
+    args = ap.parse_args()
+    if args.smoke:
+        args.config, args.tokens, args.device, args.rank, args.warmup, args.rep = "configs/tiny.json", 128, "cpu", \
+            4, 1, 2
+        os.environ.setdefault("OUT", tempfile.mkdtemp(prefix="bench_lora_smoke_"))
+    return args
+
+
+def main() -> int:
+    args = parse()
+    device, T = torch.device(args.device), args.tokens
+    in_repo = ROOT / args.config
+    cfg = load_config(in_repo if not Path(args.config).exists() and in_repo.exists() else args.config).text
+    torch.manual_seed(0)
+    env = describe(device)
+    log(f"{env}")
+    result = {"env": env, "config": args.config, "tokens": T, "batch": 1, "targets": TARGETS,
+              "memory_target": MEMORY_TARGET, "time_target": TIME_TARGET}
+    log(f"LoRA rank {args.rank}, {args.base_dtype} base, MXFP4 routed experts: step T={T}")
+    result["lora"] = lo = lora_step(cfg, T, device, args)
+    log("    " + (lo.get("error") or f"{lo['ms']:.1f} ms, peak {lo['peak_gib']} GiB"))
+    full = None
+    if not args.skip_full:
+        log(f"full fine-tuning, bf16: fwd+bwd and the optimizer phase, T={T}")
+        result["full"] = full = full_step(cfg, T, device, args)
+        log(f"    {full.get('ms')} ms, peak (fwd+bwd + AdamW states) {full.get('peak_gib')} GiB")
+    rows = []
+    gib = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
+    rows.append([f"LoRA r={args.rank} ({args.base_dtype} base, MXFP4 experts)", gib(lo.get("ms")),
+                 gib(lo.get("peak_gib")), f"{lo['adapter_params']:,}", lo.get("error") or ""])
+    if full is not None:
+        fb, tr = full["fwd_bwd"], (full["optimizer"].get("trainer") or {})
+        rows.append(["full FT bf16: fwd+bwd", gib(fb.get("ms")), gib(fb.get("peak_gib")), "", fb.get("error") or ""])
+        rows.append(["full FT bf16: optimizer phase", gib(tr.get("ms")), gib(tr.get("peak_gib")), "",
+                     tr.get("error", "")[:40]])
+        rows.append(["full FT bf16: step (sum; peak + AdamW states)", gib(full.get("ms")), gib(full.get("peak_gib")),
+                     "", ""])
+        if lo.get("ms") and full.get("ms"):
+            result["time_ratio"] = lo["ms"] / full["ms"]
+        if lo.get("peak_gib") and full.get("peak_gib"):
+            result["memory_ratio"] = lo["peak_gib"] / full["peak_gib"]
+    table(f"LoRA vs full fine-tuning, {args.config}, B=1, T={T}", ["step", "ms", "peak GiB", "adapter params", ""],
+          rows)
+    ok = lo.get("error") is None and lo.get("finite_gradients", False)
+    for key, target in (("memory_ratio", MEMORY_TARGET), ("time_ratio", TIME_TARGET)):
+        if key in result:
+            met = result[key] <= target
+            result[key.replace("ratio", "target_met")] = met
+            print(f"{key.replace('_', ' ')}: LoRA / full = {result[key]:.2f}x (target <= {target}x: "
+                  f"{'MET' if met else 'NOT MET'})", flush=True)
+    path = write_json("bench_lora", result)
+    print(f"(json: {path})", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
