@@ -92,3 +92,12 @@ def test_training_step_bench_runs_the_peer_first(tmp_path):
     _run("bench.bench_train", tmp_path, "--smoke", *fast, "--peer", f"{sys.executable} -c 'print(1)'")
     peer = json.loads((tmp_path / "bench_train_smoke.json").read_text())["peer"]
     assert peer["source"] == "design.md 6" and peer["ms"] == 732.0 and peer["attempted"] == "exit 0"
+
+
+def test_speculative_bench_smoke(tmp_path):
+    """bench_spec checks every speculative run against the run without, token for token, before timing it."""
+    _run("bench.bench_spec", tmp_path, "--smoke")
+    data = json.loads((tmp_path / "bench_spec.json").read_text())
+    assert {"oracle B=1 p=0.5", "oracle B=2 p=0.9", "copy suffix B=1"} <= set(data["results"])
+    assert data["results"]["oracle B=1 p=0.9"]["accepted_length"] > data["results"]["oracle B=1 p=0.5"][
+        "accepted_length"] > 1
