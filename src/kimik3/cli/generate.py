@@ -94,12 +94,12 @@ def run(args) -> int:
     ends = end_ids(model, tok)
     for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=ends,
                          max_context=window, sync_tokens=sync, speculative=speculative, **images):
-        event = events[0]
-        if printer is not None:
-            printer.feed(event.token_id, show=args.stream)
-        elif args.stream:
-            print(event.text, end="", flush=True)
-        out.append(event.text)
+        for event in events:  # one prompt; several tokens in a step with speculative decoding
+            if printer is not None:
+                printer.feed(event.token_id, show=args.stream)
+            elif args.stream:
+                print(event.text, end="", flush=True)
+            out.append(event.text)
     if printer is not None:
         printer.finish(show=not args.stream)
     elif not args.stream:
