@@ -37,8 +37,11 @@ def test_ctrl_c_while_the_model_loads_exits_130_quietly():
     down and re-raises the interrupt; the process leaves with 130, no traceback, no C++ abort from a loader thread
     caught inside torch by interpreter finalization."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # SIGINT as in a terminal: a shell that runs the suite in the background starts it ignored, and an ignored
+    # SIGINT is inherited across exec (Python then installs no KeyboardInterrupt handler, as test_signals says)
     proc = subprocess.Popen([sys.executable, "-m", "kimik3", "serve", "--port", str(free_port())], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stdout:
         lines.append(line)
