@@ -102,3 +102,12 @@ def test_lora_bench_smoke_times_both_steps(tmp_path):
     assert lo["error"] is None and lo["finite_gradients"] and lo["ms"] > 0 and lo["adapter_params"] > 0
     assert full["ms"] > 0 and full["adamw_states_gib"] == 2 * full["weights_gib"] > 0
     assert data["time_ratio"] > 0 and lo["frozen_gib"] < full["weights_gib"]  # packed experts: a smaller base
+
+
+def test_speculative_bench_smoke(tmp_path):
+    """bench_spec checks every speculative run against the run without, token for token, before timing it."""
+    _run("bench.bench_spec", tmp_path, "--smoke")
+    data = json.loads((tmp_path / "bench_spec.json").read_text())
+    assert {"oracle B=1 p=0.5", "oracle B=2 p=0.9", "copy suffix B=1"} <= set(data["results"])
+    assert data["results"]["oracle B=1 p=0.9"]["accepted_length"] > data["results"]["oracle B=1 p=0.5"][
+        "accepted_length"] > 1

@@ -4,6 +4,7 @@ before anything is loaded, into a frozen `EngineConfig`."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,6 +19,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip compiling and capturing every step shape before serving (first requests then wait)")
+    g.add_argument("--speculative-method", choices=("suffix", "draft"), default=None,
+                   help="speculative decoding: suffix (model-free, copies from the prompt and output) or draft "
+                        "(a DSpark-style drafter, --speculative-model); the output is unchanged")
+    g.add_argument("--speculative-model", metavar="PATH", default=None,
+                   help="the drafter's folder for --speculative-method draft")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens verified per sequence and step (default 4)")
+
+
+def speculative_config(args):
+    """The `SpeculativeConfig` the speculative flags ask for (None: off); a bad value names its flag."""
+    from kimik3.inference.engine.config import SpeculativeConfig
+
+    method, model, k = (getattr(args, a, None) for a in ("speculative_method", "speculative_model",
+                                                        "num_speculative_tokens"))
+    if method is None:
+        if model is not None or k is not None:
+            raise ValueError("--speculative-model and --num-speculative-tokens need --speculative-method")
+        return None
+    if method == "draft" and not model:
+        raise ValueError("--speculative-method draft needs --speculative-model PATH (the drafter's folder)")
+    if method == "suffix" and model:
+        raise ValueError("--speculative-model is for --speculative-method draft, not suffix")
+    if k is not None and k < 1:
+        raise ValueError(f"--num-speculative-tokens must be at least 1, got {k}")
+    if model is not None and not Path(model).is_dir():
+        raise FileNotFoundError(f"--speculative-model {model}: no such folder")
+    return SpeculativeConfig(method, model, 4 if k is None else k)
 
 
 def engine_config(args, positions: int | None = None, *, warmup: bool = False):
@@ -34,7 +63,8 @@ def engine_config(args, positions: int | None = None, *, warmup: bool = False):
         return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len, prefix_cache_bytes=args.prefix_cache_bytes,
                             enable_prefix_cache=not args.no_prefix_cache,
-                            warmup=warmup and not getattr(args, "no_warmup", False))
+                            warmup=warmup and not getattr(args, "no_warmup", False),
+                            speculative=speculative_config(args))
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise ValueError(f"{flags.get(field, field)} {str(e).split(' ', 1)[1]}") from None

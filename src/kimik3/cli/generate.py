@@ -63,10 +63,12 @@ def run(args) -> int:
     if args.input:  # batch mode: a JSONL file through the serving engine
         return batch.run(args)
     from kimik3.cli.chat import ChatPrinter, user_turn
+    from kimik3.cli.engine_args import speculative_config
     from kimik3.inference import stream
     from kimik3.vision import load_image
 
     prompt = read_prompt(args)
+    speculative = speculative_config(args)  # a bad flag fails before the load
     for image in args.image:  # a missing or unreadable file fails now, not after the load
         load_image(image)
     model, tok, _ = load_model_and_tokenizer(args, vision=bool(args.image))
@@ -91,13 +93,13 @@ def run(args) -> int:
         sync = lambda tokens: dist.broadcast(tokens, 0)  # noqa: E731
     ends = end_ids(model, tok)
     for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=ends,
-                         max_context=window, sync_tokens=sync, **images):
-        event = events[0]
-        if printer is not None:
-            printer.feed(event.token_id, show=args.stream)
-        elif args.stream:
-            print(event.text, end="", flush=True)
-        out.append(event.text)
+                         max_context=window, sync_tokens=sync, speculative=speculative, **images):
+        for event in events:  # one prompt; several tokens in a step with speculative decoding
+            if printer is not None:
+                printer.feed(event.token_id, show=args.stream)
+            elif args.stream:
+                print(event.text, end="", flush=True)
+            out.append(event.text)
     if printer is not None:
         printer.finish(show=not args.stream)
     elif not args.stream:

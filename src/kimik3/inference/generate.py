@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.inference.engine import Engine, EngineConfig, Request
-from kimik3.inference.engine.config import GRID
+from kimik3.inference.engine.config import GRID, SpeculativeConfig
 from kimik3.inference.sampling import SamplingParams
 from kimik3.tokenizer import Tokenizer
 
@@ -84,8 +84,8 @@ def _fit_context(prompts: list[list[int]], params: list[SamplingParams], max_con
 def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
            *, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
            max_context: int | None = None, cuda_graph: bool = False, pixel_values: Tensor | None = None,
-           grid_thws: Tensor | None = None, sync_tokens: Callable[[Tensor], object] | None = None
-           ) -> Iterator[list[TokenEvent]]:
+           grid_thws: Tensor | None = None, sync_tokens: Callable[[Tensor], object] | None = None,
+           speculative: SpeculativeConfig | None = None) -> Iterator[list[TokenEvent]]:
     """Generate for a batch of token-id prompts, yielding each step's new tokens as they come.
 
     Args:
@@ -104,6 +104,8 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
         sync_tokens: called in place on each step's sampled tokens [B] (int64, on the model's device) before
             they are used; several processes generating together (tensor / expert parallel) pass a broadcast
             from rank 0, so every rank continues with the same tokens and stops at the same step.
+        speculative: speculative decoding (`SpeculativeConfig`): the same tokens (greedy) or distribution
+            (sampling), several tokens per step.
 
     Yields:
         per engine step, one TokenEvent per new token of each sequence that advanced.
@@ -116,7 +118,7 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     params = _fit_context(prompts, params, max_context, cfg.max_position_embeddings)
     config = EngineConfig(max_num_seqs=len(prompts), enable_prefix_cache=False, use_cuda_graphs=cuda_graph,
                           max_model_len=max(len(q) + p.max_new_tokens for q, p in zip(prompts, params)),
-                          max_num_batched_tokens=max(GRID, sum(map(len, prompts))))
+                          max_num_batched_tokens=max(GRID, sum(map(len, prompts))), speculative=speculative)
     engine = Engine(model, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer, sync_tokens=sync_tokens)
     embeds = _image_tokens(model, prompts, pixel_values, grid_thws)
     for i, (q, p) in enumerate(zip(prompts, params)):
@@ -156,14 +158,14 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
              max_context: int | None = None, cuda_graph: bool = False, pixel_values: Tensor | None = None,
-             grid_thws: Tensor | None = None) -> list[Completion]:
+             grid_thws: Tensor | None = None, speculative: SpeculativeConfig | None = None) -> list[Completion]:
     """`stream` run to the end: one Completion (ids, text, finish reason) per prompt (params None: the
     SamplingParams defaults)."""
     params = SamplingParams() if params is None else params
     out = [Completion(prompt_tokens=len(p)) for p in prompts]
     for events in stream(model, prompts, params, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
                          max_context=max_context, cuda_graph=cuda_graph, pixel_values=pixel_values,
-                         grid_thws=grid_thws):
+                         grid_thws=grid_thws, speculative=speculative):
         for e in events:
             c = out[e.index]
             c.token_ids.append(e.token_id)

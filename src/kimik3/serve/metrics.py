@@ -29,6 +29,10 @@ _ENGINE = (
     ("num_aborted_requests", "aborts", "Requests aborted (client gone, stop string).", True),
     ("engine_prompt_tokens", "prompt_tokens_total", "Prompt tokens the engine received.", True),
     ("engine_generation_tokens", "generation_tokens_total", "Tokens the engine generated.", True),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Speculative drafts verified.", True),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Speculative draft tokens verified.", True),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+     True),
 )
 
 

@@ -46,7 +46,8 @@ def test_running_counts_equal_a_recount_every_step(model, monkeypatch):
     real, real_counts, real_to_device = sampler.penalize, sampler.token_counts, sampler.to_device
     checks, sent, counting = [], [], []
 
-    def checked(x_MV, seqs):
+    def checked(x_MV, seqs, drafts=None):
+        assert drafts is None  # no speculative decoding in this run
         got = real(x_MV, seqs)
         assert torch.equal(got, recount(x_MV, seqs))
         checks.append(len(seqs))

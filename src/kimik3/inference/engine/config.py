@@ -10,6 +10,37 @@ GRID = CHUNK_SIZE  # snapshots and prefill chunks sit on the KDA chunk grid: a r
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative.md): each running sequence's proposer offers up to
+    `num_speculative_tokens` tokens per step, and one forward verifies them.
+
+    Attributes:
+        method: "suffix" (suffix decoding, model-free), "draft" (the DSpark-style drafter at `model`), or a
+            `kimik3.inference.spec.Proposer` object (tests and benchmarks: an oracle).
+        model: the drafter's folder (config.json + model.safetensors), for method "draft" only.
+        num_speculative_tokens: k, the most draft tokens verified per sequence and step.
+    """
+
+    method: object = "suffix"
+    model: str | None = None
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if isinstance(self.method, str):
+            if self.method not in ("suffix", "draft"):
+                raise ValueError(f"speculative method must be 'suffix' or 'draft', got {self.method!r}")
+            if self.method == "draft" and not self.model:
+                raise ValueError("speculative method 'draft' needs a drafter folder (speculative model)")
+            if self.method == "suffix" and self.model:
+                raise ValueError(f"speculative method 'suffix' takes no model, got {self.model!r}")
+        elif not all(hasattr(self.method, a) for a in ("needs_taps", "propose", "observe", "finish")):
+            raise ValueError(f"speculative method must be 'suffix', 'draft' or a Proposer, got {self.method!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """How the engine batches and caches.
 
@@ -30,6 +61,7 @@ class EngineConfig:
         warmup: run every step shape the engine will meet (prefill chunks, each graph) once at start, so
             the first requests meet no kernel compile or autotuning.
         poison: fill freed slots, freed blocks and evicted snapshots with NaN (tests: a stale read fails).
+        speculative: speculative decoding (`SpeculativeConfig`), or None.
     """
 
     max_num_seqs: int = 64
@@ -43,6 +75,7 @@ class EngineConfig:
     use_cuda_graphs: bool | None = None
     warmup: bool = False
     poison: bool = False
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def whole(v) -> bool:

@@ -6,8 +6,9 @@
         for out in engine.step(): ...          # each request's new tokens (deltas)
 
 Synchronous and single-threaded: a server runs `step()` in its own thread and talks to it through queues.
-Each step: schedule (scheduler.py) -> one packed forward (runner.py) -> snapshot the exported states into the
-prefix cache -> sample (sampler.py) -> the scheduler's update (append, stop checks, finish) -> outputs.
+Each step: (speculative decoding: draft, speculative.py) -> schedule (scheduler.py) -> one packed forward
+(runner.py) -> snapshot the exported states into the prefix cache -> sample (sampler.py), or verify the drafts and
+roll back the rejected ones -> the scheduler's update (append, stop checks, finish) -> outputs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from kimik3.inference.engine.request import (
 from kimik3.inference.engine.runner import ModelRunner, logit_rows, take_rows
 from kimik3.inference.engine.sampler import sample, token_logprobs
 from kimik3.inference.engine.scheduler import Chunk, Scheduler
+from kimik3.inference.engine.speculative import Speculator
 from kimik3.inference.sampling import SamplingParams
+from kimik3.inference.spec.taps import tapped
 from kimik3.lora.serving import attach_adapters
 from kimik3.model.state import SlotState, StatePool, state_specs
 from kimik3.ops.kda import supports_checkpoints
@@ -56,6 +59,8 @@ class Engine:
             none share each step. Decode steps then run eagerly (no CUDA graphs).
         sync_tokens: called in place on each step's sampled ids [M] (int64, on the model's device) before they
             are used; ranks generating together (tensor / expert parallel) pass a broadcast from rank 0.
+
+    `config.speculative` (or `speculative=SpeculativeConfig(...)`) turns on speculative decoding (speculative.py).
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig | None = None, *, eos_token_ids: Seq[int] = (),
@@ -95,10 +100,16 @@ class Engine:
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    snapshot_interval=cfg.snapshot_interval, interior_snapshots=supports_checkpoints(w),
                                    max_model_len=self.max_model_len, eos_token_ids=tuple(eos_token_ids))
+        self.speculator = Speculator(cfg.speculative, lm, self.pool) if cfg.speculative is not None else None
+        if self.speculator is not None and sync_tokens is not None:
+            raise ValueError("speculative decoding with sync_tokens (ranks generating together) is not supported")
         # by default on CUDA in 16-bit: fp32 routed experts run the reference loop, which reads expert counts on
-        # the host and so cannot be captured
+        # the host and so cannot be captured; nor can adapters' per-row updates. Drafted steps run eagerly (their
+        # rows are short chunks); a drafter that reads the target's hidden states needs every step eager (a
+        # replayed graph runs no hooks)
         graphs = (w.is_cuda and w.dtype != torch.float32 and not adapters) if cfg.use_cuda_graphs is None \
             else cfg.use_cuda_graphs
+        graphs = graphs and not (self.speculator is not None and self.speculator.needs_taps)
         with torch.no_grad():
             self.runner = ModelRunner(lm, self.pool, max_blocks, graphs, cfg.max_num_seqs, self.adapters)
             if cfg.warmup:
@@ -192,7 +203,8 @@ class Engine:
                     kda_snapshots=len(pc.entries) if pc else 0, kda_snapshot_bytes=pc.snapshot_bytes if pc else 0,
                     prefix_cache_bytes=pc.nbytes if pc else 0, nonfinite_refused=pc.nonfinite_refused if pc else 0,
                     cache_usage=1 - len(self.blocks) / self.pool.num_blocks,
-                    preemptions=self.scheduler.preemptions, **self.counters)
+                    preemptions=self.scheduler.preemptions, **self.counters,
+                    **(self.speculator.stats.as_metrics() if self.speculator is not None else {}))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                  progress=None) -> list[RequestOutput]:
@@ -221,14 +233,20 @@ class Engine:
         """One scheduler step: the new output of each request that sampled a token (and of those ended since)."""
         ended = [self._output(g) for g in self.aborted]
         self.aborted.clear()
+        spec = self.speculator
+        if spec is not None:
+            spec.propose(self.scheduler.running, self.max_model_len)
         chunks = self.scheduler.schedule()
         if not chunks:
             return ended
         now = time.monotonic()
         for c in chunks:
             c.seq.group.first_scheduled = c.seq.group.first_scheduled or now
+        starts = [c.seq.num_computed for c in chunks]
+        saved = spec.save(chunks) if spec is not None else None
         rows, samplers, prompt_lp = logit_rows(chunks)
-        logits, exports = self.runner.run(chunks, rows, [self._media(c) for c in chunks])
+        with tapped(self.model, spec.needs_taps if spec is not None else ()) as found:
+            logits, exports = self.runner.run(chunks, rows, [self._media(c) for c in chunks])
         if self.on_launch is not None:
             self.on_launch()
         rows_lp = {id(seq): self._prompt_logprobs(seq, logits[row: row + n]) for (seq, row, n), _ in prompt_lp}
@@ -236,17 +254,36 @@ class Engine:
             self._snapshot_exports(chunks, exports, rows_lp)
         for c in chunks:
             c.seq.num_computed += c.num_tokens
-        sampling = [(s, r) for seq, r in samplers for s in [seq, *self._fork(seq)]]
+        forks = [(seq, s) for seq, _ in samplers for s in self._fork(seq)]
+        sampling = [(s, r) for seq, r in samplers for s in [seq, *(c for p, c in forks if p is seq)]]
+        plain = [(s, r) for s, r in sampling if s.draft is None]
+        drafted = [(s, r) for s, r in sampling if s.draft is not None]
+        commits = []
+        if plain:
+            seqs = [s for s, _ in plain]
+            tokens, logprobs = sample(take_rows(logits, [r for _, r in plain]), seqs, self.sync_tokens)
+            commits += [(seq, [t], [lp]) for seq, t, lp in zip(seqs, tokens, logprobs)]
+        if drafted:
+            begin = {c.seq: start for c, start in zip(chunks, starts)}
+            for seq, tokens, logprobs in spec.verify(logits, drafted):
+                if len(tokens) <= len(seq.draft_tokens):  # a draft was rejected: the state of the accepted only
+                    spec.rollback(seq, saved, begin[seq])
+                seq.draft = None
+                commits.append((seq, tokens, logprobs))
         advanced: dict[str, RequestState] = {}
-        if sampling:
-            seqs = [s for s, _ in sampling]
-            tokens, logprobs = sample(take_rows(logits, [r for _, r in sampling]), seqs, self.sync_tokens)
-            first = time.monotonic()
-            for seq, token, lp in zip(seqs, tokens, logprobs):
-                seq.group.first_token = seq.group.first_token or first
+        first = time.monotonic()
+        for seq, tokens, logprobs in commits:
+            seq.group.first_token = seq.group.first_token or first
+            for token, lp in zip(tokens, logprobs):
                 self.scheduler.update(seq, token, lp)
-                advanced[seq.group.request.request_id] = seq.group
-            self.counters["generation_tokens_total"] += len(seqs)
+                self.counters["generation_tokens_total"] += 1
+                if seq.status is Status.FINISHED:  # a stop id, string or the length: the rest is dropped
+                    break
+            advanced[seq.group.request.request_id] = seq.group
+        if spec is not None and spec.needs_taps:
+            spec.record_taps(chunks, starts, found)
+            for parent, child in forks:
+                spec.fork(parent, child)
         return ended + [self._output(g) for g in advanced.values()]
 
     def _sequence(self, group: RequestState, index: int, tokens: list[int], constraint=None, **kw) -> Sequence:

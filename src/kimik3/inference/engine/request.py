@@ -119,7 +119,7 @@ class Sequence:
 
     The state in its KDA slot and MLA blocks always covers exactly tokens[:num_computed]; a step computes
     tokens[num_computed:num_computed + n], and once num_computed == len(tokens) the step's logits give the
-    next token."""
+    next token. With speculative decoding a step's row is `row_tokens` (the pending tokens, then the draft)."""
 
     group: RequestState
     index: int
@@ -137,6 +137,22 @@ class Sequence:
     counts: TokenCounts | None = None  # made by the sampler on the first step with a penalty
     text: StopDecoder | None = None  # visible text and stop strings (the engine has a tokenizer)
     new_text: str = ""  # visible text since the last output
+    # speculative decoding: this step's proposal (kimik3.inference.spec.Draft), computed after tokens[-1]
+    draft: object = None
+
+    @property
+    def draft_tokens(self) -> tuple[int, ...]:
+        return self.draft.tokens if self.draft is not None else ()
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens a step has left to compute: the uncomputed committed ones and the draft."""
+        return len(self.tokens) - self.num_computed + len(self.draft_tokens)
+
+    def row_tokens(self, n: int) -> list[int]:
+        """The ids of the next n positions to compute (committed tokens, then draft tokens)."""
+        rest = self.tokens[self.num_computed: self.num_computed + n]
+        return rest + list(self.draft_tokens[: n - len(rest)])
 
     @property
     def num_prompt(self) -> int:

@@ -95,8 +95,7 @@ class ModelRunner:
             span = self.span_bucket(max(len(c.seq.blocks) for c in chunks))
             logits = self.graph(rows, span)(chunks)
             return take_rows(logits, logit_rows), None
-        ids = torch.tensor([t for c in chunks for t in c.seq.tokens[c.seq.num_computed:
-                                                                     c.seq.num_computed + c.num_tokens]])
+        ids = torch.tensor([t for c in chunks for t in c.seq.row_tokens(c.num_tokens)])
         step = build_step(slots=[c.seq.slot for c in chunks], cached=[c.seq.num_computed for c in chunks],
                           lens=lens, tables=[c.seq.blocks for c in chunks], block_size=self.pool.block_size,
                           conv_window=self.pool.conv_window, pad_block=self.pool.scratch_block, device=self.device,
@@ -192,12 +191,14 @@ class _DecodeGraph:
 
 def logit_rows(chunks: list[Chunk]) -> tuple[list[int], list, list]:
     """Which packed rows of a step's hidden state go through the LM head: (the rows, each sampling sequence with
-    its row among them, and ((seq, first row, count), chunk) for the prompt-logprob rows)."""
+    its first row among them (a sequence verifying a draft has 1 + len(draft) rows from there), and
+    ((seq, first row, count), chunk) for the prompt-logprob rows)."""
     rows, samplers, prompt_lp = [], [], []
     start = 0
     for c in chunks:
         seq = c.seq
-        done = seq.num_computed + c.num_tokens == len(seq.tokens)
+        done = c.num_tokens == seq.num_pending
+        verify = 1 + len(seq.draft_tokens)  # the last committed token's row, then one per draft token
         if seq.params.prompt_logprobs is not None and seq.num_computed < seq.num_prompt:
             upto = min(c.num_tokens, seq.num_prompt - seq.num_computed)
             prompt_lp.append(((seq, len(rows), upto), c))
@@ -205,9 +206,9 @@ def logit_rows(chunks: list[Chunk]) -> tuple[list[int], list, list]:
             if done and upto < c.num_tokens:
                 rows.append(start + c.num_tokens - 1)
         elif done:
-            rows.append(start + c.num_tokens - 1)
+            rows.extend(range(start + c.num_tokens - verify, start + c.num_tokens))
         if done:
-            samplers.append((seq, len(rows) - 1))
+            samplers.append((seq, len(rows) - verify))
         start += c.num_tokens
     return rows, samplers, prompt_lp
 

@@ -60,10 +60,20 @@ def token_counts(seq: Sequence, V: int, device: torch.device) -> TokenCounts:
     return c
 
 
-def penalize(x_MV: Tensor, seqs: list[Sequence]) -> Tensor:
+def _with_drafts(c: TokenCounts, drafts: list[int]) -> TokenCounts:
+    """c with a row's earlier draft tokens counted too (outputs: a verification row's context includes them)."""
+    if not drafts:
+        return c
+    ids = torch.tensor(drafts, dtype=torch.long, device=c.seen_V.device)
+    return TokenCounts(c.seen_V.clone().index_fill_(0, ids, True),
+                       c.output_V.index_add(0, ids, torch.ones(len(drafts), device=c.output_V.device)), c.upto)
+
+
+def penalize(x_MV: Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> Tensor:
     """fp32 logits after the repetition penalty (prompt + output) and the presence and frequency penalties
     (output only). Rows without a penalty of their own get zero counts: the batch's per-row factors (1 and 0)
-    then leave them bit for bit as they are, as if their tokens had been counted."""
+    then leave them bit for bit as they are, as if their tokens had been counted. `drafts[i]`: draft tokens
+    that precede row i (speculative verification), counted as output."""
     params = [s.params for s in seqs]
     rep = any(p.repetition_penalty != 1 for p in params)
     freq = any(p.presence_penalty or p.frequency_penalty for p in params)
@@ -72,6 +82,8 @@ def penalize(x_MV: Tensor, seqs: list[Sequence]) -> Tensor:
     device, V = x_MV.device, x_MV.shape[1]
     f = lambda xs: to_device(torch.tensor(xs, dtype=torch.float32), device)  # noqa: E731
     counts = [token_counts(s, V, device) if _penalized(s.params) else None for s in seqs]
+    if drafts is not None:
+        counts = [c if c is None else _with_drafts(c, d) for c, d in zip(counts, drafts)]
     if rep:
         no = torch.zeros(V, dtype=torch.bool, device=device)
         seen = torch.stack([c.seen_V if c is not None else no for c in counts])
@@ -84,14 +96,12 @@ def penalize(x_MV: Tensor, seqs: list[Sequence]) -> Tensor:
     return x_MV
 
 
-def sample(logits_MV: Tensor, seqs: list[Sequence], sync: Callable[[Tensor], object] | None = None
-           ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of logits_MV (row i belongs to seqs[i]); with their logprobs where requested.
-    `sync` is called in place on the sampled ids [M] before they are read (ranks generating together)."""
+def processed(logits_MV: Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> Tensor:
+    """fp32 logits after logit_bias, the penalties and the structured-output mask: what `draw` (or the
+    speculative acceptance rule) samples from. Row i belongs to seqs[i] (after drafts[i], see `penalize`)."""
     device, (M, V) = logits_MV.device, logits_MV.shape
     x = logits_MV.float()
     params = [s.params for s in seqs]
-    f = lambda xs, dtype=torch.float32: to_device(torch.tensor(xs, dtype=dtype), device)  # noqa: E731
     if any(p.logit_bias for p in params):
         bias = torch.zeros(M, V, device=device)
         for i, p in enumerate(params):
@@ -99,7 +109,7 @@ def sample(logits_MV: Tensor, seqs: list[Sequence], sync: Callable[[Tensor], obj
                 if t < V:
                     bias[i, t] += b
         x = x + bias
-    x = penalize(x, seqs)
+    x = penalize(x, seqs, drafts)
     allowed = {i: s.constraint.allowed() for i, s in enumerate(seqs) if s.constraint is not None}
     allowed = {i: a for i, a in allowed.items() if a is not None}
     if allowed:
@@ -107,8 +117,19 @@ def sample(logits_MV: Tensor, seqs: list[Sequence], sync: Callable[[Tensor], obj
         for i, a in allowed.items():
             banned[i] = ~a.to(device=device, dtype=torch.bool)[:V]
         # out of place: with fp32 logits and nothing above applied, x is logits_MV itself (the runner's buffer),
-        # whose raw values the logprobs below report
+        # whose raw values `raw_logprobs` reports
         x = x.masked_fill(banned, float("-inf"))
+    return x
+
+
+def sample(logits_MV: Tensor, seqs: list[Sequence], sync: Callable[[Tensor], object] | None = None
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of logits_MV (row i belongs to seqs[i]); with their logprobs where requested.
+    `sync` is called in place on the sampled ids [M] before they are read (ranks generating together)."""
+    device, V = logits_MV.device, logits_MV.shape[1]
+    params = [s.params for s in seqs]
+    f = lambda xs, dtype=torch.float32: to_device(torch.tensor(xs, dtype=dtype), device)  # noqa: E731
+    x = processed(logits_MV, seqs)
     if all(p.temperature == 0 for p in params):  # what draw returns for these rows, without its vocabulary sort
         picked = x.argmax(-1)
     else:
@@ -117,7 +138,12 @@ def sample(logits_MV: Tensor, seqs: list[Sequence], sync: Callable[[Tensor], obj
     if sync is not None:
         sync(picked)
     tokens = picked.tolist()
-    logprobs: list[TokenLogprob | None] = [None] * M
+    return tokens, raw_logprobs(logits_MV, tokens, params)
+
+
+def raw_logprobs(logits_MV: Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:
+    """Row i's logprob of tokens[i] and its top params[i].logprobs, from the raw logits (None where not asked)."""
+    logprobs: list[TokenLogprob | None] = [None] * len(tokens)
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
         lp = logits_MV[wanted].float().log_softmax(-1)
@@ -125,4 +151,4 @@ def sample(logits_MV: Tensor, seqs: list[Sequence], sync: Callable[[Tensor], obj
         for i, entry in zip(wanted, token_logprobs(lp, [tokens[i] for i in wanted], k)):
             entry.top = entry.top[: params[i].logprobs]
             logprobs[i] = entry
-    return tokens, logprobs
+    return logprobs

@@ -75,9 +75,12 @@ class Scheduler:
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """All that is left if the budget allows; else a chunk that ends on the grid. A sequence off the grid
         (restored from an end snapshot, or cut short) first computes up to the next grid point."""
-        start, left = seq.num_computed, len(seq.tokens) - seq.num_computed
+        start, left = seq.num_computed, seq.num_pending
         if left <= budget:
             return left
+        if seq.draft is not None:  # a draft is verified whole or not at all
+            seq.draft = None
+            return self._chunk_size(seq, budget)
         if start % GRID:
             return min(GRID - start % GRID, budget)
         end = (start + budget) // GRID * GRID
@@ -93,8 +96,10 @@ class Scheduler:
         last = (seq.num_prompt - 1) // GRID * GRID
         want = [p for p in range((start // GRID + 1) * GRID, end + 1, GRID)
                 if p % self.snapshot_interval == 0 or p == last]
-        # inside a chunk only its own 64-token boundaries hold a state (all of them when it starts on the grid)
-        want = [p for p in want if p == end or (self.interior_snapshots and (p - start) % GRID == 0)]
+        # inside a chunk only its own 64-token boundaries hold a state (all of them when it starts on the grid);
+        # never past the committed tokens (a draft position's state may be rolled back)
+        want = [p for p in want if (p == end or (self.interior_snapshots and (p - start) % GRID == 0))
+                and p <= len(seq.tokens)]
         return [p - start for p in want]
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
@@ -146,7 +151,7 @@ class Scheduler:
     def _release(self, seq: Sequence, slot: int | None) -> None:
         for b in seq.blocks:
             self.blocks.unref(b)
-        seq.blocks, seq.num_computed, seq.slot = [], 0, None
+        seq.blocks, seq.num_computed, seq.slot, seq.draft = [], 0, None, None
         if slot is not None:
             self.slots.release(slot)
 
@@ -195,7 +200,8 @@ class Scheduler:
         if seq.text is not None:
             seq.new_text += seq.text.flush()
         p = seq.num_computed
-        if self.cache is not None and p:
+        # p > len(tokens): a verified draft ran past the token that stopped it; that state is no prefix's
+        if self.cache is not None and 0 < p <= len(seq.tokens):
             blocks = seq.blocks[: -(-p // self.blocks.size)]
             self.cache.insert(seq.group.root_key, seq.tokens[:p], self.slots.save(seq.slot), blocks,
                               self.blocks.finite(blocks, p), prompt_logprobs_at(seq.group, p, seq.group.prompt_end_row))

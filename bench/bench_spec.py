@@ -1,0 +1,134 @@
+"""Speculative decoding in the engine (issue 30): tokens/s with and without, and the accepted length.
+
+Rows, all in one call:
+  demo      the demo model with its shipped drafter (and suffix decoding): mean accepted length on held-out
+            prompts, batch-1 greedy tokens/s with and without speculation;
+  oracle    slice-12 (random weights): an oracle proposer right with probability p (expected accepted length
+            (1 - p^(k+1)) / (1 - p), k = 7, swept ~1.5..4.5): tokens/s at batch 1 and 8 vs no speculation
+            (target: accepted length 3.3 at batch 1 >= 2.2x);
+  copy      slice-12, suffix decoding on a copy workload (the output repeats part of the prompt, see
+            `slice_rows`) at batch 1 (target >= 1.5x).
+
+Every speculative run is checked against the run without speculation, token for token (greedy).
+
+    PYTHONPATH=src:. python3 bench/bench_spec.py             # device: demo + slice-12, $OUT/bench_spec.json
+    PYTHONPATH=src:. python3 bench/bench_spec.py --cpu-demo  # the demo rows on the CPU
+    PYTHONPATH=src:. python3 bench/bench_spec.py --smoke     # CPU check of this script at toy sizes
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from bench.common import DEVICE, environment, smoke_config, sync, table, write_json
+from kimik3.inference import SamplingParams
+from kimik3.inference.engine import Engine, SpeculativeConfig
+from kimik3.inference.spec.oracle import OracleProposer, expected_accepted_length
+from kimik3.model import K3ForCausalLM
+
+SIZES = {"device": dict(new=128, prompt=256, ps=(0.35, 0.55, 0.7, 0.76, 0.85), k=7, batches=(1, 8), demo_new=128),
+         "cpu-demo": dict(new=0, prompt=0, ps=(), k=7, batches=(), demo_new=48),
+         "smoke": dict(new=12, prompt=40, ps=(0.5, 0.9), k=3, batches=(1, 2), demo_new=8)}
+DEMO_PROMPTS = ["KING RICHARD III:\nNow is the winter of our discontent", "PORTIA:\nThe quality of mercy is not",
+                "MACBETH:\nTo-morrow, and to-morrow, and to-morrow,", "PROSPERO:\nOur revels now are ended."]
+
+
+def timed(model, prompts, new: int, speculative=None, graphs: bool = False) -> tuple[list[list[int]], float, Engine]:
+    """(greedy outputs, tokens/s, the engine) for the prompts run together."""
+    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
+                    max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
+                    use_cuda_graphs=graphs, speculative=speculative)
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    engine.generate(prompts, params)  # warm: kernels, graphs, autotuning
+    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
+                    max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
+                    use_cuda_graphs=graphs, speculative=speculative) if speculative is not None else engine
+    sync()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync()
+    dt = time.perf_counter() - t
+    return [o.outputs[0].token_ids for o in outs], len(prompts) * new / dt, engine
+
+
+def demo_rows(s: dict, results: dict, rows: list) -> None:
+    from kimik3.checkpoint.loader import load
+    from kimik3.presets import DEMO_DRAFTER, DEMO_MODEL
+    from kimik3.tokenizer import Tokenizer
+
+    lm = load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True, device=DEVICE).language_model.eval()
+    tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
+    prompts = [tok.encode(p) for p in DEMO_PROMPTS]
+    new = s["demo_new"]
+    base = [timed(lm, [p], new) for p in prompts]
+    off = sum(b[1] for b in base) / len(base)
+    for name, cfg in (("draft", SpeculativeConfig("draft", str(DEMO_DRAFTER), 7)),
+                      ("suffix", SpeculativeConfig("suffix", None, 4))):
+        runs = [timed(lm, [p], new, cfg) for p in prompts]
+        assert all(r[0] == b[0] for r, b in zip(runs, base)), f"demo {name}: speculative greedy differs"
+        acc = sum(r[2].speculator.stats.mean_accepted_length for r in runs) / len(runs)
+        on = sum(r[1] for r in runs) / len(runs)
+        results[f"demo {name}"] = dict(accepted_length=acc, tokens_per_s=on, tokens_per_s_off=off, speedup=on / off)
+        rows.append([f"demo {name} B=1", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x"])
+        print(" | ".join(rows[-1]), flush=True)
+
+
+def slice_rows(model, s: dict, results: dict, rows: list) -> None:
+    V, k, new, graphs = model.config.vocab_size, s["k"], s["new"], DEVICE.type == "cuda"
+    g = torch.Generator().manual_seed(0)
+    for B in s["batches"]:
+        prompts = [torch.randint(0, min(V, 1000), (s["prompt"],), generator=g).tolist() for _ in range(B)]
+        ref, off, _ = timed(model, prompts, new, graphs=graphs)
+        for p in s["ps"]:
+            proposer = OracleProposer([q + r for q, r in zip(prompts, ref)], p, V, seed=1)
+            out, on, engine = timed(model, prompts, new, SpeculativeConfig(proposer, None, k), graphs)
+            assert out == ref, f"oracle p={p} B={B}: speculative greedy differs"
+            acc = engine.speculator.stats.mean_accepted_length
+            results[f"oracle B={B} p={p}"] = dict(accepted_length=acc, expected=expected_accepted_length(p, k),
+                                                   tokens_per_s=on, tokens_per_s_off=off, speedup=on / off)
+            rows.append([f"oracle B={B} p={p}", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x"])
+            print(" | ".join(rows[-1]), flush=True)
+    # copy workload: random weights never copy by themselves, so the text copied is the target's own greedy
+    # continuation: prompt = x + y + x with y = greedy(x) (one fixed-point round: y = greedy of that prompt), so
+    # the output after the second x repeats what the prompt holds after the first, as far as the model's
+    # continuation depends on the recent tokens (the row reports the acceptance it got)
+    x = torch.randint(0, min(V, 1000), (s["prompt"] // 2,), generator=g).tolist()
+    y, _, _ = timed(model, [x], new, graphs=graphs)
+    y, _, _ = timed(model, [x + y[0] + x], new, graphs=graphs)
+    prompt = x + y[0] + x
+    ref, off, _ = timed(model, [prompt], new, graphs=graphs)
+    out, on, engine = timed(model, [prompt], new, SpeculativeConfig("suffix", None, k), graphs)
+    assert out == ref, "copy: speculative greedy differs"
+    acc = engine.speculator.stats.mean_accepted_length
+    results["copy suffix B=1"] = dict(accepted_length=acc, tokens_per_s=on, tokens_per_s_off=off, speedup=on / off)
+    rows.append(["copy suffix B=1", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x"])
+    print(" | ".join(rows[-1]), flush=True)
+
+
+@torch.no_grad()
+def main(mode: str) -> None:
+    s = SIZES[mode]
+    results, rows = {}, []
+    if mode != "smoke":
+        demo_rows(s, results, rows)
+    if mode == "device":
+        from bench.build import materialize
+        from kimik3.presets import load_config
+
+        with torch.device("meta"):
+            model = K3ForCausalLM(load_config("slice-12").text, torch.bfloat16)
+        slice_rows(materialize(model).eval(), s, results, rows)
+    elif mode == "smoke":
+        slice_rows(K3ForCausalLM(smoke_config("slice-12").text, torch.float32).init_weights(0).eval(), s, results,
+                   rows)
+    print(table(f"speculative decoding ({mode})", ["row", "accepted length", "tok/s off", "tok/s on", "speedup"],
+                rows))
+    write_json("bench_spec", {"mode": mode, "sizes": s, "env": environment(), "results": results})
+
+
+if __name__ == "__main__":
+    flag = sys.argv[1] if len(sys.argv) > 1 else ""
+    main({"--smoke": "smoke", "--cpu-demo": "cpu-demo", "": "device"}[flag])

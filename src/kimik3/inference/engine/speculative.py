@@ -1,0 +1,171 @@
+"""Speculative decoding inside the engine (docs/speculative.md, steps 1-4): proposals before scheduling,
+verification of each drafted row, and the rollback that keeps the committed state exact.
+
+Legend: Lk KDA layers, N sequences verifying a draft this step, k draft tokens, V vocabulary, T packed tokens,
+n taps, D hidden.
+
+A sequence with a draft runs `[pending tokens, *draft]` as one short chunk (the pending tokens are its last
+committed token, and after a rejection the tokens re-fed below). `verify` picks the committed tokens. When every
+draft is accepted the state after the chunk is the committed one. Otherwise the KDA slot (recurrent state and conv
+tails) is restored from the copy taken before the forward, `num_computed` goes back to the chunk's start, and the
+accepted tokens become pending: the next step's row re-feeds them before its own draft. So the committed KDA
+state is always the state after committed tokens only, with one slot copy per drafted row and step (never one
+per draft token), and no second forward. MLA latents of rejected positions are dropped by the sequence length
+not advancing over them (the next step overwrites them). The cost of the rollback is the re-fed tokens' share of
+the next row.
+
+Structured output does not speculate: the grammar (`TokenConstraint`) has no rollback, and each verification row
+would need the mask of the grammar advanced by the drafts before it; constrained rows decode one token a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from kimik3.inference.engine.config import SpeculativeConfig
+from kimik3.inference.engine.request import Sequence, Status, TokenLogprob
+from kimik3.inference.engine.runner import take_rows
+from kimik3.inference.engine.sampler import processed, raw_logprobs
+from kimik3.inference.engine.scheduler import Chunk
+from kimik3.inference.spec import Proposer, SpecStats, SuffixProposer, verify
+from kimik3.model.state import StatePool
+
+
+def build_proposer(cfg: SpeculativeConfig, lm: nn.Module) -> Proposer:
+    """The proposer `cfg.method` names: suffix decoding, the drafter at `cfg.model` (checked against the target:
+    a ValueError names what differs), or the given Proposer object."""
+    if cfg.method == "suffix":
+        return SuffixProposer()
+    if cfg.method == "draft":
+        from kimik3.inference.spec.dspark import DSparkProposer, load_drafter
+
+        drafter = load_drafter(cfg.model, lm.lm_head.weight.device)
+        try:
+            return DSparkProposer(drafter, lm)
+        except ValueError as e:
+            raise ValueError(f"speculative model {cfg.model}: {e}") from None
+    return cfg.method
+
+
+@dataclass(eq=False)
+class _Track:
+    """The proposer's view of one sequence: its id, the tokens it has observed, its taps not yet handed over."""
+
+    id: int
+    observed: int = 0
+    tapped: int = 0  # positions [0, tapped) have had their taps recorded
+    taps: list[Tensor] = field(default_factory=list)
+    broken: bool = False  # a position was never computed here (prefix-cache hit): a drafter that reads taps can't
+
+
+class Speculator:
+    """Drafts for the running sequences, verifies them, rolls back the rejected ones. `stats` holds the counters."""
+
+    def __init__(self, cfg: SpeculativeConfig, lm: nn.Module, pool: StatePool):
+        self.k, self.pool = cfg.num_speculative_tokens, pool
+        self.proposer = build_proposer(cfg, lm)
+        self.needs_taps = tuple(self.proposer.needs_taps)
+        self.stats = SpecStats()
+        self.tracks: dict[Sequence, _Track] = {}
+        self._next_id = 0
+
+    def _track(self, seq: Sequence) -> _Track:
+        t = self.tracks.get(seq)
+        if t is None:
+            t = self.tracks[seq] = _Track(self._next_id)
+            self._next_id += 1
+        return t
+
+    def propose(self, running: list[Sequence], max_model_len: int) -> None:
+        """Set `seq.draft` for each running sequence that decodes (None where nothing is proposed)."""
+        for seq, t in list(self.tracks.items()):
+            if seq.status is Status.FINISHED:
+                self.proposer.finish(t.id)
+                del self.tracks[seq]
+        for seq in running:
+            seq.draft = None
+            if seq.status is not Status.RUNNING or len(seq.tokens) <= seq.num_prompt or seq.constraint is not None:
+                continue
+            t = self._track(seq)
+            if self.needs_taps and (t.broken or t.tapped != len(seq.tokens) - 1):
+                continue
+            if t.observed == 0:
+                self.proposer.observe(t.id, seq.tokens[: seq.num_prompt])
+                t.observed = seq.num_prompt
+            if t.observed < len(seq.tokens):
+                self.proposer.observe(t.id, seq.tokens[t.observed:])
+                t.observed = len(seq.tokens)
+            # the bonus token comes on top of the drafts: at most what the length limits leave, minus one
+            left = min(seq.params.max_new_tokens - (len(seq.tokens) - seq.num_prompt),
+                       max_model_len - len(seq.tokens)) - 1
+            k = min(self.k, left)
+            if k < 1:
+                continue
+            taps = None
+            if self.needs_taps:
+                taps = torch.cat(t.taps) if t.taps else None
+                t.taps = []
+            draft = self.proposer.propose(t.id, list(seq.tokens), k, taps)
+            seq.draft = draft if draft.tokens else None
+
+    def save(self, chunks: list[Chunk]) -> tuple[Tensor, Tensor, dict[Sequence, int]] | None:
+        """Copy the KDA slots of the drafted rows (before the forward): (recurrent, conv, row of each seq)."""
+        seqs = [c.seq for c in chunks if c.seq.draft is not None]
+        if not seqs:
+            return None
+        idx = torch.tensor([s.slot for s in seqs], device=self.pool.device)
+        return self.pool.recurrent[:, idx], self.pool.conv[:, :, idx], {s: i for i, s in enumerate(seqs)}
+
+    def rollback(self, seq: Sequence, saved: tuple[Tensor, Tensor, dict[Sequence, int]], start: int) -> None:
+        """Restore seq's KDA slot to its state before this step; its tokens from `start` are pending again."""
+        recurrent, conv, row = saved
+        i = row[seq]
+        self.pool.recurrent[:, seq.slot].copy_(recurrent[:, i])
+        self.pool.conv[:, :, seq.slot].copy_(conv[:, :, i])
+        seq.num_computed = start
+
+    def verify(self, logits_MV: Tensor, items: list[tuple[Sequence, int]]
+               ) -> list[tuple[Sequence, list[int], list[TokenLogprob | None]]]:
+        """Each drafted sequence's committed tokens and their logprobs. `items`: (seq, its first row of logits_MV);
+        row j of a sequence is the target after its last committed token and draft[:j]."""
+        rows, seqs, before = [], [], []
+        for seq, r in items:
+            d = list(seq.draft_tokens)
+            for j in range(len(d) + 1):
+                rows.append(r + j)
+                seqs.append(seq)
+                before.append(d[:j])
+        raw = take_rows(logits_MV, rows)
+        x = processed(raw, seqs, before)  # logit bias, and the penalties counting the drafts before each row
+        out, i = [], 0
+        for seq, _ in items:
+            k = len(seq.draft_tokens)
+            committed = verify(seq.draft_tokens, seq.draft.probs, x[i: i + k + 1], seq.params, seq.generator)
+            self.stats.record(k, len(committed) - 1)
+            out.append((seq, committed, raw_logprobs(raw[i: i + len(committed)], committed,
+                                                     [seq.params] * len(committed))))
+            i += k + 1
+        return out
+
+    def record_taps(self, chunks: list[Chunk], starts: list[int], found: list[Tensor | None]) -> None:
+        """Keep the taps of the positions this step computed and committed (never a rejected draft's)."""
+        hidden = torch.cat(found, dim=-1)[0]  # [T, n*D]
+        row = 0
+        for c, start in zip(chunks, starts):
+            seq = c.seq
+            t = self._track(seq)
+            lo, hi = max(start, t.tapped), min(start + c.num_tokens, len(seq.tokens) - 1)
+            if start > t.tapped:
+                t.broken = True
+            if not t.broken and hi > lo:
+                t.taps.append(hidden[row + lo - start: row + hi - start])
+                t.tapped = hi
+            row += c.num_tokens
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """n > 1: a choice forked at the prompt's end starts with the parent's prompt taps."""
+        p, c = self._track(parent), self._track(child)
+        c.tapped, c.taps, c.broken = p.tapped, list(p.taps), p.broken

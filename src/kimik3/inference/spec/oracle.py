@@ -1,0 +1,55 @@
+"""A proposer that knows the answer: for tests and benchmarks of the verification path on random weights, where no
+real proposer would ever be accepted.
+
+It holds reference sequences (prompt + the target's greedy continuation). Each draft token is the reference's next
+token with probability p and a wrong one otherwise, so with k drafts the expected accepted length (the bonus
+token included) is (1 - p^(k+1)) / (1 - p): a knob for acceptance. A sequence that has left every reference
+(sampling) gets no draft.
+"""
+
+from __future__ import annotations
+
+import random
+
+from torch import Tensor
+
+from kimik3.inference.spec.proposer import Draft
+
+
+def expected_accepted_length(p: float, k: int) -> float:
+    """Mean tokens committed per verification step when each draft token is right with probability p."""
+    return float(k + 1) if p >= 1 else (1 - p ** (k + 1)) / (1 - p)
+
+
+class OracleProposer:
+    """Drafts from `references` (full token lists): right with probability `p`, from a `seed`ed stream.
+
+    Args:
+        references: prompt + greedy continuation of each request the proposer may meet.
+        p: the chance each draft token is the reference's.
+        vocab_size: wrong tokens are the reference's + 1 modulo it.
+    """
+
+    needs_taps: tuple[int, ...] = ()
+
+    def __init__(self, references: list[list[int]], p: float, vocab_size: int, seed: int = 0):
+        if not 0 <= p <= 1:
+            raise ValueError(f"p must be in [0, 1], got {p}")
+        self.references, self.p, self.vocab_size = [list(r) for r in references], p, vocab_size
+        self.rng = random.Random(seed)
+
+    def observe(self, seq_id: int, tokens: list[int]) -> None:
+        """Nothing to keep: `propose` matches the whole context against the references."""
+
+    def finish(self, seq_id: int) -> None:
+        """Nothing to free."""
+
+    def propose(self, seq_id: int, ids: list[int], k: int, taps: Tensor | None = None) -> Draft:
+        n = len(ids)
+        ref = next((r for r in self.references if len(r) > n and r[:n] == ids), None)
+        if ref is None:
+            return Draft()
+        out = []
+        for t in ref[n: n + k]:
+            out.append(t if self.rng.random() < self.p else (t + 1) % self.vocab_size)
+        return Draft(tuple(out))

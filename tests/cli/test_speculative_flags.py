@@ -1,0 +1,51 @@
+"""`--speculative-method/--speculative-model/--num-speculative-tokens` on `generate` (with and without --input)
+and `serve`: the same output as without, clear errors for bad values; `/metrics` exports the spec_decode counters."""
+
+import pytest
+
+from kimik3.cli import main
+from kimik3.presets import DEMO_DRAFTER, DEMO_MODEL
+from tests.cli.test_robustness import run, text_ckpt  # noqa: F401  (the fixture)
+
+GEN = ["--prompt", "ROMEO:\nO, she doth", "--temperature", "0", "--max-new-tokens", "12", "--no-stream"]
+
+
+@pytest.mark.parametrize("extra", [["--speculative-method", "suffix", "--num-speculative-tokens", "3"],
+                                   ["--speculative-method", "draft", "--speculative-model", str(DEMO_DRAFTER)]])
+def test_generate_with_speculation_prints_the_same_text(capsys, extra):
+    rc, plain, _ = run(["generate", "--model", str(DEMO_MODEL), *GEN], capsys)
+    rc2, spec, err = run(["generate", "--model", str(DEMO_MODEL), *GEN, *extra], capsys)
+    assert rc == rc2 == 0 and spec == plain and len(plain) > len(GEN[1]), err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--speculative-method", "suffix", "--num-speculative-tokens", "0"],
+     "--num-speculative-tokens must be at least 1"),
+    (["--speculative-method", "draft"], "--speculative-method draft needs --speculative-model"),
+    (["--num-speculative-tokens", "3"], "need --speculative-method"),
+    (["--speculative-method", "draft", "--speculative-model", "/nonexistent"], "no such folder"),
+    (["--speculative-method", "draft", "--speculative-model", str(DEMO_DRAFTER)], "speculative model"),
+])
+def test_bad_speculative_flags_are_one_line_errors(text_ckpt, capsys, extra, message):  # noqa: F811
+    rc, _, err = run(["generate", "--model", str(text_ckpt), "--prompt", "x", *extra], capsys)
+    assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+def test_serve_help_lists_the_speculative_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert all(f in out for f in ("--speculative-method", "--speculative-model", "--num-speculative-tokens"))
+
+
+def test_metrics_export_the_spec_decode_counters():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kimik3.serve.metrics import Metrics
+
+    stats = dict(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=12, spec_decode_num_accepted_tokens=7)
+    text = Metrics(lambda: stats).render().decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["kimik3:spec_decode_num_drafts_total"] == 3
+    assert samples["kimik3:spec_decode_num_draft_tokens_total"] == 12
+    assert samples["kimik3:spec_decode_num_accepted_tokens_total"] == 7

@@ -1,0 +1,272 @@
+"""Speculative decoding in the engine == the engine without it: greedy tokens over prompts, batch sizes, k and
+acceptance rates (an oracle proposer on the tiny random model); the committed KDA state and MLA latents after
+every step; logprobs; penalties; n > 1; stop ids; structured output; prefix-cache rounds; and the sampled output
+distribution (chi-square, with a wrong acceptance rule as the negative control)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kimik3.inference.engine import Engine, Request, SpeculativeConfig
+from kimik3.inference.engine import speculative as spec_module
+from kimik3.inference.engine.request import accumulate
+from kimik3.inference.sampling import SamplingParams
+from kimik3.inference.spec import Draft, target_probs
+from kimik3.inference.spec.oracle import OracleProposer
+from kimik3.model import K3ForCausalLM
+from tests.helpers import randomize, rel_err
+from tests.inference.engine.conftest import greedy, make_engine, random_prompts
+
+LENGTHS = (1, 5, 63, 64, 65, 130, 33, 7)
+
+
+def run(engine: Engine, prompts, params) -> list:
+    return engine.generate(prompts, params)
+
+
+def ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def oracle(prompts, outs, p: float, vocab: int, seed: int = 0) -> OracleProposer:
+    return OracleProposer([q + r for q, r in zip(prompts, ids(outs))], p, vocab, seed)
+
+
+def spec(method, k: int = 4, **kw) -> dict:
+    return dict(speculative=SpeculativeConfig(method, num_speculative_tokens=k), **kw)
+
+
+@pytest.mark.parametrize("p,k,batch", [(0.0, 3, 8), (0.6, 4, 8), (0.9, 7, 3), (1.0, 2, 1), (0.75, 1, 8)])
+def test_greedy_oracle_equals_non_speculative(model, p, k, batch):
+    V = model.config.vocab_size
+    prompts = random_prompts(V, LENGTHS[:batch], generator_seed=batch)
+    params = greedy(17, logprobs=2)
+    ref = run(make_engine(model), prompts, params)
+    engine = make_engine(model, **spec(oracle(prompts, ref, p, V), k))
+    outs = run(engine, prompts, params)
+    assert ids(outs) == ids(ref)
+    st = engine.stats
+    assert st["spec_decode_num_drafts"] > 0
+    if p == 0:
+        assert st["spec_decode_num_accepted_tokens"] == 0
+    if p == 1:
+        assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+    assert st["generation_tokens_total"] == 17 * batch
+    for a, b in zip(outs, ref):  # logprobs of the committed tokens == non-speculative's
+        got = torch.tensor([[lp.logprob] + [v for _, v in lp.top] for lp in a.outputs[0].logprobs])
+        want = torch.tensor([[lp.logprob] + [v for _, v in lp.top] for lp in b.outputs[0].logprobs])
+        assert rel_err(got, want) < 1e-5
+        assert [[i for i, _ in lp.top] for lp in a.outputs[0].logprobs] == \
+            [[i for i, _ in lp.top] for lp in b.outputs[0].logprobs]
+    assert len(engine.slots) == engine.pool.num_slots
+
+
+def _states(engine: Engine) -> dict[tuple[str, int], tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(request, choice) -> (num_computed, recurrent, conv, latents of positions < num_computed), now."""
+    out, pool, Bs = {}, engine.pool, engine.pool.block_size
+    for seq in engine.scheduler.running:
+        n = seq.num_computed
+        rows = (torch.tensor(seq.blocks)[:, None] * Bs + torch.arange(Bs)).flatten()[:n]
+        out[seq.group.request.request_id, seq.index] = (n, pool.recurrent[:, seq.slot].clone(),
+                                                        pool.conv[:, :, seq.slot].clone(), pool.latent[:, rows].clone())
+    return out
+
+
+def test_committed_state_equals_non_speculative_after_every_step(model):
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (9, 70, 3), generator_seed=3)
+    params = greedy(20)
+    ref_engine = make_engine(model)
+    reference: dict = {}
+    for i, q in enumerate(prompts):
+        ref_engine.add_request(Request(str(i), q, params))
+    done: dict = {}
+    while ref_engine.has_unfinished():
+        accumulate(done, ref_engine.step())
+        for key, (n, *state) in _states(ref_engine).items():
+            reference[key, n] = state
+    outs = [done[str(i)] for i in range(len(prompts))]
+    engine = make_engine(model, **spec(oracle(prompts, outs, 0.6, V), 5))
+    for i, q in enumerate(prompts):
+        engine.add_request(Request(str(i), q, params))
+    checked, rolled_back = 0, 0
+    while engine.has_unfinished():
+        engine.step()
+        for key, (n, *state) in _states(engine).items():
+            seq = next(s for s in engine.scheduler.running if (s.group.request.request_id, s.index) == key)
+            rolled_back += len(seq.tokens) - n > 1
+            if (key, n) not in reference:  # mid-prefill lengths the reference never stopped at
+                continue
+            for got, want in zip(state, reference[key, n]):
+                assert rel_err(got, want) < 1e-5
+            checked += 1
+    assert checked >= 20 and rolled_back > 0
+    assert engine.stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_penalties_bias_and_n3_greedy(model):
+    """The penalties count earlier drafts in each verification row; greedy n = 3 choices all equal the reference."""
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (12, 40, 5), generator_seed=4)
+    params = greedy(15, repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4,
+                    logit_bias=((3, 2.0), (7, -1.0)), n=3)
+    ref = run(make_engine(model), prompts, params)
+    assert all(len({tuple(c.token_ids) for c in o.outputs}) == 1 for o in ref)
+    engine = make_engine(model, **spec(oracle(prompts, ref, 0.8, V), 4))
+    outs = run(engine, prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
+    assert engine.stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_stop_id_inside_an_accepted_draft_and_prefix_rounds(model):
+    """A stop id met among accepted drafts ends the output there (the state ran past it: no end snapshot of it);
+    A -> B -> A rounds through the prefix cache give the same tokens and hits with speculation on and off."""
+    V = model.config.vocab_size
+    a, b = random_prompts(V, (70, 90), generator_seed=5)
+    free = ids(run(make_engine(model), [a], greedy(12)))[0]
+    stop = greedy(12, stop_token_ids=(free[6],))
+
+    def rounds(engine):
+        got = []
+        for prompt, p in ((a, stop), (b, greedy(12)), (a, stop), (a + free[:7] + [5, 6], greedy(9))):
+            out = run(engine, [prompt], p)[0]
+            got.append((out.outputs[0].token_ids, out.outputs[0].finish_reason, out.cached_tokens))
+        return got
+
+    off = rounds(make_engine(model, prefix_cache_bytes=10**9))
+    assert off[0][0] == free[: free.index(free[6]) + 1] and off[0][1] == "stop"
+    refs = [a + free, b + ids(run(make_engine(model), [b], greedy(12)))[0],
+            a + free[:7] + [5, 6] + ids(run(make_engine(model), [a + free[:7] + [5, 6]], greedy(9)))[0]]
+    engine = make_engine(model, prefix_cache_bytes=10**9, **spec(OracleProposer(refs, 1.0, V), 7))
+    on = rounds(engine)
+    assert [r[:2] for r in on] == [r[:2] for r in off] and [r[2] for r in on[:3]] == [r[2] for r in off[:3]]
+    assert off[2][2] > 0 and off[3][2] == len(a) + 6  # the rounds hit the cache; off: A's end snapshot
+    # on: A's end state was never computed (the draft ran past the stop id): the prompt's grid snapshot instead
+    assert on[3][2] == 64
+
+
+class _EvenTokens:
+    """Structured output stand-in: only even ids, finished after 6 tokens."""
+
+    def __init__(self, vocab: int):
+        self.mask, self.n = torch.arange(vocab) % 2 == 0, 0
+
+    def allowed(self):
+        return self.mask
+
+    def accept(self, token_id: int) -> None:
+        assert token_id % 2 == 0
+        self.n += 1
+
+    def is_finished(self) -> bool:
+        return self.n >= 6
+
+
+def test_constrained_rows_decode_without_drafts_beside_drafted_ones(model):
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (20, 30), generator_seed=6)
+    params = greedy(10)
+
+    def go(engine):
+        engine.add_request(Request("c", prompts[0], params, constraint=_EvenTokens(V)))
+        engine.add_request(Request("u", prompts[1], params))
+        done: dict = {}
+        while engine.has_unfinished():
+            accumulate(done, engine.step())
+        return {k: (v.outputs[0].token_ids, v.outputs[0].finish_reason) for k, v in done.items()}
+
+    off = go(make_engine(model))
+    assert len(off["c"][0]) == 6 and all(t % 2 == 0 for t in off["c"][0])
+    refs = [prompts[0] + off["c"][0], prompts[1] + off["u"][0]]
+    engine = make_engine(model, **spec(OracleProposer(refs, 1.0, V), 3))
+    assert go(engine) == off
+    # only the unconstrained request drafted: after its first token, 3 + 1 twice, then its last token alone
+    assert engine.stats["spec_decode_num_drafts"] == 2
+
+
+class _FixedProposer:
+    """Always drafts the same token (a deterministic proposer: q one-hot)."""
+
+    needs_taps = ()
+
+    def __init__(self, token: int, k: int):
+        self.draft = Draft((token,) * k)
+
+    def observe(self, seq_id, tokens):
+        pass
+
+    def finish(self, seq_id):
+        pass
+
+    def propose(self, seq_id, ids, k, taps=None):
+        return Draft(self.draft.tokens[:k])
+
+
+def _wrong_verify(d, q, logits, params, generator=None):
+    """Accept d_i with probability p(d_i) but redraw from p itself on a rejection (the residual left out)."""
+    p = target_probs(logits, params)
+    for i, t in enumerate(d):
+        if float(torch.rand((), generator=generator)) >= float(p[i, t]):
+            return list(d[:i]) + [int(torch.multinomial(p[i], 1, generator=generator))]
+    return list(d) + [int(torch.multinomial(p[len(d)], 1, generator=generator))]
+
+
+SAMPLES, SMALL_V = 1500, 12
+CRITICAL = 31.26  # chi-square, 11 degrees of freedom, p = 0.001
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tiny_config):
+    cfg = dataclasses.replace(tiny_config.text, vocab_size=SMALL_V, pad_token_id=None)
+    return randomize(K3ForCausalLM(cfg, torch.float32), seed=11).eval()
+
+
+def _second_token_counts(lm, prompt, proposer) -> torch.Tensor:
+    engine = Engine(lm, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=64, block_size=16,
+                    enable_prefix_cache=False, **({} if proposer is None else spec(proposer, 2)))
+    params = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=i) for i in range(SAMPLES)]
+    outs = engine.generate([prompt] * SAMPLES, params)
+    if proposer is not None:
+        assert engine.stats["spec_decode_num_drafts"] == SAMPLES
+    return torch.bincount(torch.tensor([o.outputs[0].token_ids[1] for o in outs]), minlength=SMALL_V).double()
+
+
+@torch.no_grad()
+def _exact_second_token(lm, prompt) -> torch.Tensor:
+    p1 = lm(torch.tensor([prompt]))[0, -1].float().softmax(-1).double()
+    rows = lm(torch.tensor([prompt + [t] for t in range(SMALL_V)]))[:, -1].float().softmax(-1).double()
+    return p1 @ rows
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_sampled_distribution_is_the_targets(small_vocab, monkeypatch):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    exact = _exact_second_token(small_vocab, prompt)
+    assert exact.min() * SAMPLES > 5  # every bin is big enough for the test
+    likely = int(exact.argmax())  # a draft the target often keeps: a wrong residual shows plainly
+    assert _chi2(_second_token_counts(small_vocab, prompt, None), exact) < CRITICAL
+    assert _chi2(_second_token_counts(small_vocab, prompt, _FixedProposer(likely, 2)), exact) < CRITICAL
+    monkeypatch.setattr(spec_module, "verify", _wrong_verify)
+    assert _chi2(_second_token_counts(small_vocab, prompt, _FixedProposer(likely, 2)), exact) > CRITICAL
+
+
+def test_bad_speculative_settings_are_value_errors(model):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig("suffix", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="needs a drafter folder"):
+        SpeculativeConfig("draft")
+    with pytest.raises(ValueError, match="'suffix' or 'draft'"):
+        SpeculativeConfig("ngram")
+    from kimik3.presets import DEMO_DRAFTER
+
+    with pytest.raises(ValueError, match=r"speculative model .*target_hidden_size|vocab_size"):
+        make_engine(model, speculative=SpeculativeConfig("draft", str(DEMO_DRAFTER)))
+    with pytest.raises(ValueError, match="sync_tokens"):
+        make_engine(model, speculative=SpeculativeConfig("suffix"), sync_tokens=lambda t: None)

@@ -1,0 +1,57 @@
+"""The demo model with its shipped drafter and with suffix decoding, in the engine: greedy == no speculation, token
+for token, at batch 1 and 3; the drafter is accepted; a prefix-cache hit (no taps for the restored prefix) only
+turns the drafter off for that request."""
+
+import pytest
+import torch
+
+import kimik3
+from kimik3.inference.engine import Engine, SpeculativeConfig
+from kimik3.inference.sampling import SamplingParams
+from kimik3.presets import DEMO_DRAFTER, DEMO_MODEL
+from kimik3.tokenizer import Tokenizer
+
+PROMPTS = ["ROMEO:\nO, she doth teach the torches to burn bright!", "KING HENRY:\nOnce more unto the breach,",
+           "HAMLET:\nTo be, or not to be, that is the question:\nHAMLET:\nTo be, or not to be,"]
+METHODS = {"draft": SpeculativeConfig("draft", str(DEMO_DRAFTER), 7), "suffix": SpeculativeConfig("suffix", None, 5)}
+
+
+@pytest.fixture(scope="module")
+def demo():
+    lm = kimik3.load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True).language_model.eval()
+    tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
+    return lm, [tok.encode(p) for p in PROMPTS]
+
+
+def _engine(lm, **kw):
+    return Engine(lm, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256, poison=True, **kw)
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("method", ["draft", "suffix"])
+def test_demo_greedy_equals_non_speculative(demo, method):
+    lm, prompts = demo
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    ref = _ids(_engine(lm).generate(prompts, params))
+    together = _engine(lm, speculative=METHODS[method])
+    assert _ids(together.generate(prompts, params)) == ref  # batch 3
+    alone = _engine(lm, speculative=METHODS[method])
+    assert [_ids(alone.generate([p], params))[0] for p in prompts] == ref  # batch 1
+    if method == "draft":
+        assert alone.speculator.stats.mean_accepted_length > 1.5
+
+
+def test_drafter_after_a_prefix_hit_stays_exact(demo):
+    lm, prompts = demo
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    long = prompts[2] * 3  # past the 64-token grid: its second run restores a snapshot
+    ref = _ids(_engine(lm).generate([long], params))
+    engine = _engine(lm, speculative=METHODS["draft"])
+    first = _ids(engine.generate([long], params))
+    drafts = engine.stats["spec_decode_num_drafts"]
+    again = engine.generate([long], params)
+    assert again[0].cached_tokens > 0 and first == _ids(again) == ref
+    assert engine.stats["spec_decode_num_drafts"] == drafts  # no taps of the restored prefix: no drafts
