@@ -26,9 +26,9 @@ from kimik3.train.config import load_train_config
 from kimik3.train.metrics import read_metrics
 from tests.helpers import REPO, free_port
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-
-pytestmark = pytest.mark.filterwarnings("ignore:quantile balancing with q")
+# one thread in process (tests/conftest.py): the torchrun side runs with OMP_NUM_THREADS=1, and FSDP2 alone is
+# compared bit for bit, so both sides must sum in the same order
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:quantile balancing with q")]
 
 
 
@@ -95,14 +95,16 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, expert_parallel):
     experts) == 1 rank x 2 micro-batches: losses, grad norms, saved weights and biases; then the 2-rank
     checkpoint resumes (in 1 process, or in 2 expert-parallel ranks) and continues the 1-process run.
 
-    FSDP2 alone comes out bit-identical. Expert parallelism changes the fp32 summation order of the expert
-    outputs (each rank's experts see their tokens grouped by source rank), which Adam's first updates (about
-    lr * sign(g) per element) turn into lr-sized differences on elements whose gradient is ~0: measured 1 of 5,760
-    elements above 1e-5, every tensor within 1e-5 relative. So weights are held to 1e-4 there (a slicing or
-    gathering mistake is O(1)), and the biases are frozen, since quantile balancing's bin decisions are discrete.
+    FSDP2 alone computes the same sums over parameters gathered into other buffers, which CPU BLAS may block
+    differently: bit-identical on some machines, not on others (on a 2-core one 39 of 196 tensors bitwise, the
+    worst 3.6e-6 relative), so its weights are held to design.md's fp32 bound, 1e-5. Expert parallelism also
+    groups each expert's tokens by source rank, and Adam's first updates (about lr * sign(g) per element) turn
+    those rounding differences into lr-sized ones on elements whose gradient is ~0 (the zero-initialized AttnRes
+    pseudo-queries: worst 1.6e-5 relative). So weights are held to 1e-4 there (a slicing or gathering mistake is
+    O(1)), and the biases are frozen, since quantile balancing's bin decisions are discrete.
     """
     balancing = "frozen" if expert_parallel else "qb"
-    weight_tol = 1e-4 if expert_parallel else 1e-6
+    weight_tol = 1e-4 if expert_parallel else 1e-5
     one = Trainer(load_train_config(_toml(tmp_path, "one", accum=2, balancing=balancing)))
     one.run()
     two = _toml(tmp_path, "two", accum=1, expert_parallel=expert_parallel, balancing=balancing)

@@ -23,12 +23,20 @@ ExpertWeights = Callable[[int], tuple[Tensor, Tensor, Tensor]]  # expert -> (w1 
 def _expert_loop(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, num_experts: int, weights: ExpertWeights,
                  beta: float, linear_beta: float) -> Tensor:
     out_NL = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-    for e in range(num_experts):
-        tok, slot = (topk_idx == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
+    A = topk_idx.shape[1]
+    e_M = topk_idx.reshape(-1)  # M = N * A (token, slot) pairs
+    order_M = torch.sort(e_M, stable=True).indices  # grouped by expert, tokens ascending within each
+    # one gather for every expert: its backward sums each token's gradient over its slots in ascending expert
+    # order, the order expert parallelism's dispatch sums them in (per-expert gathers would leave it to autograd)
+    z_ML = z[order_M // A]
+    start = 0
+    for e, n in enumerate(torch.bincount(e_M, minlength=num_experts).tolist()):
+        if n == 0:
             continue
+        rows = order_M[start:start + n]
+        tok, slot, z_nL = rows // A, rows % A, z_ML[start:start + n]
+        start += n
         w1_FL, w3_FL, w2_LF = weights(e)
-        z_nL = z[tok]
         h_nF = situ_glu(z_nL @ w1_FL.T, z_nL @ w3_FL.T, beta, linear_beta)
         y_nL = h_nF @ w2_LF.T
         out_NL = out_NL.index_add(0, tok, y_nL.float() * topk_weight[tok, slot, None])
