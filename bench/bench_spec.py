@@ -115,12 +115,15 @@ def main(mode: str) -> None:
     if mode != "smoke":
         demo_rows(s, results, rows)
     if mode == "device":
-        from bench.build import materialize
+        from bench.build import experts_backend_of, materialize
         from kimik3.presets import load_config
 
         with torch.device("meta"):
             model = K3ForCausalLM(load_config("slice-12").text, torch.bfloat16)
-        slice_rows(materialize(model).eval(), s, results, rows)
+        model = materialize(model).eval()
+        results["experts"] = experts_backend_of(model)  # Humming's layout where it runs, as `kimik3 serve` does
+        print(f"slice-12 experts: {results['experts']}", flush=True)
+        slice_rows(model, s, results, rows)
     elif mode == "smoke":
         slice_rows(K3ForCausalLM(smoke_config("slice-12").text, torch.float32).init_weights(0).eval(), s, results,
                    rows)
