@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kimik3.ops.mxfp4 import GROUP_SIZE, decode, encode, packed_shapes
+from tests.helpers import needs_cuda_triton, needs_interpreter
 
 _BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -236,3 +237,43 @@ def test_decode_bad_dtypes():
 def test_encode_bad_inputs(w):
     with pytest.raises(ValueError):
         encode(w)
+
+
+def _every_pattern(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked [2, 32, 272] codes (every byte under every scale byte, a width that is not a multiple of the
+    kernel's 128-byte tile) and their scales."""
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.stack([torch.randperm(272, generator=gen) % 256 for _ in range(64)]).to(torch.uint8)
+    scale = ((torch.arange(64)[:, None] * 17 + torch.arange(17)) % 256).to(torch.uint8)
+    return rows.reshape(2, 32, 272).to(device), scale.reshape(2, 32, 17).to(device)
+
+
+@needs_interpreter
+def test_triton_decode_is_the_reference_bit_for_bit_interpreter():
+    from kimik3.ops.mxfp4 import reference
+    from kimik3.ops.mxfp4 import triton as fast
+
+    packed, scale = _every_pattern()
+    got = fast.decode(packed, scale, torch.float32)
+    _assert_same_bits(got, reference.decode(packed, scale, torch.float32))
+    assert torch.isinf(got).any() and torch.isnan(got).any() and (got.abs() < 2.0 ** -126).any()
+    # the interpreter's fp32 -> bf16 / fp16 casts do not round subnormals and overflow as the GPU's do (the GPU
+    # test covers them and bf16's own GPU decode): bf16 here only where the results are normal numbers
+    normal = scale.clamp(min=8)
+    _assert_same_bits(fast.decode(packed, normal), reference.decode(packed, normal))
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+def test_decode_on_cuda_is_the_reference_bit_for_bit_gpu():
+    from kimik3.ops.backend import use_backend
+
+    packed, scale = _every_pattern("cuda")
+    big = _random_packed(torch.Generator().manual_seed(6), (16, 3072, 3584), 100, 154)  # 16 experts' w1 at K3 dims
+    for p, s in ((packed, scale), tuple(t.cuda() for t in big)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            got = decode(p, s, dtype)
+            with use_backend("torch"):
+                _assert_same_bits(got, decode(p, s, dtype))
+    with pytest.raises(ValueError, match="uint8"):
+        decode(packed.int(), scale)

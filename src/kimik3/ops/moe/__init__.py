@@ -83,8 +83,9 @@ def routed_experts_mxfp4_lora(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, 
                               scales: tuple[Tensor, Tensor, Tensor], lora_a: tuple[Tensor, Tensor, Tensor],
                               lora_b: tuple[Tensor, Tensor, Tensor], scale: float, beta: float,
                               linear_beta: float) -> Tensor:
-    """`routed_experts_mxfp4` with LoRA factors on every expert's w1, w3, w2 over the frozen packed weights
-    (`.lora`: the per-expert loop on every device for now): forward, and backward for z and the factors only.
+    """`routed_experts_mxfp4` with LoRA factors on every expert's w1, w3, w2 over the frozen packed weights:
+    forward, and backward for z and the factors only. Reference: `.lora`'s per-expert loop; bf16 on CUDA with
+    Triton runs `.lora_grouped` (a grouped GEMM per projection over a transient decode of the codes).
 
     Args:
         lora_a: (A1 [E', R, L], A3 [E', R, L], A2 [E', R, F]); lora_b: (B1 [E', F, R], B3 [E', F, R],
@@ -92,6 +93,12 @@ def routed_experts_mxfp4_lora(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, 
         scale: the LoRA scale (alpha / R).
         other arguments: as `routed_experts_mxfp4`.
     """
+    if use_fast(z) and has_triton():
+        from kimik3.ops.moe import lora_grouped
+
+        if lora_grouped.supports(z, lora_a):
+            return lora_grouped.routed_experts_mxfp4_lora(z, topk_idx, topk_weight, packed, scales, lora_a, lora_b,
+                                                          scale, beta, linear_beta)
     from kimik3.ops.moe import lora
 
     return lora.routed_experts_mxfp4_lora(z, topk_idx, topk_weight, packed, scales, lora_a, lora_b, scale, beta,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kimik3.ops.backend import has_triton, use_fast
 from kimik3.ops.mxfp4 import reference
 
 __all__ = ["GROUP_SIZE", "decode", "encode", "packed_shapes"]
@@ -45,7 +46,14 @@ def decode(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16) -
     Raises:
         ValueError: non-uint8 inputs, fewer than 2 dims, mismatched leading dims, or widths that are not
             in/2 and in/32 of an `in` that is a multiple of 32.
+
+    On CUDA tensors (unless `use_backend("torch")`) one Triton kernel (`.triton`) computes the same values.
     """
+    if use_fast(packed) and has_triton() and dtype in (torch.bfloat16, torch.float16, torch.float32):
+        reference._check_decode_args(packed, scale)
+        from kimik3.ops.mxfp4 import triton as fast  # lazily: triton exists only on GPU machines
+
+        return fast.decode(packed, scale, dtype)
     return reference.decode(packed, scale, dtype)
 
 
