@@ -152,3 +152,38 @@ def test_dropout_only_on_linear_inputs_while_training(base_dir):
     assert torch.equal(q(x), q(x))
     q.train()
     assert not torch.equal(q(x), q(x))
+
+
+def test_cached_latent_attention_carries_an_adapter_on_kv_b_proj(base_dir):
+    """The cached MLA path absorbs kv_b_proj's weight instead of calling it: the engine's greedy tokens with an
+    adapter there equal the full forward's (which runs the module), and differ from the base's."""
+    from kimik3.inference import SamplingParams
+    from kimik3.inference.engine import Engine
+
+    def engine_greedy(lm, prompt):
+        engine = Engine(lm, max_num_seqs=1, max_model_len=64, enable_prefix_cache=False)
+        params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+        return engine.generate([prompt], params)[0].outputs[0].token_ids
+
+    def forward_greedy(lm, prompt):
+        seq = list(prompt)
+        for _ in range(8):
+            seq.append(int(logits(lm, torch.tensor([seq]))[0, -1].argmax()))
+        return seq[len(prompt):]
+
+    prompt = IDS[0].tolist()
+    base = load_base(base_dir).language_model
+    model = lora.apply(load_base(base_dir), lora.LoraConfig(rank=4, targets=["*.self_attn.kv_b_proj"]))
+    randomize_adapter(model, seed=3)
+    lm = model.language_model
+    assert sum(isinstance(m, LoraLinear) for m in lm.modules()) >= 1
+    with torch.no_grad():
+        ours = engine_greedy(lm, prompt)
+        assert ours == forward_greedy(lm, prompt)
+        assert ours != engine_greedy(base, prompt)
+
+
+def test_attn_res_projections_are_refused(base_dir):
+    for target in ("*.mlp_res_proj", "*.self_attention_res_proj", "*output_attn_res_proj"):
+        with pytest.raises(ValueError, match="AttnRes reads its"):
+            lora.apply(load_base(base_dir), lora.LoraConfig(targets=[target]))

@@ -21,7 +21,10 @@ from kimik3.lora.layers import LoraExperts, LoraLinear
 from kimik3.model import K3ForCausalLM
 from kimik3.model.moe import Experts, LatentMoE, MXFP4Experts
 
-UNSUPPORTED = ("lm_head",)  # the chunked training loss reads lm_head.weight directly, past any module forward
+# modules whose weight is read directly, past any module forward, so an update there would train nothing
+UNSUPPORTED = {"lm_head": "the chunked training loss reads lm_head.weight directly",
+               **dict.fromkeys(("self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj"),
+                               "AttnRes reads its [1, hidden] pseudo-query weight directly (train it in full)")}
 
 
 def released_prefix(model: nn.Module) -> str:
@@ -67,7 +70,7 @@ def apply(model: nn.Module, cfg: LoraConfig) -> nn.Module:
             hits[t] += 1
         if name.split(".")[-1] in UNSUPPORTED:
             raise ValueError(f"lora.targets: {matched[0]!r} names {released}, which LoRA does not support here "
-                             "(the training loss reads lm_head.weight directly)")
+                             f"({UNSUPPORTED[name.split('.')[-1]]})")
         if isinstance(module, Experts):
             raise ValueError(f"lora.targets: {matched[0]!r} names the routed experts {released}, which are dense; "
                              "LoRA keeps them MXFP4-packed: load the base with keep_experts_packed=True")

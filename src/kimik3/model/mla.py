@@ -67,12 +67,13 @@ class MultiHeadLatentAttention(nn.Module):
         kw = dict(block_tables_NM=step.short_tables, cu_seqlens_q=step.short_cu, seq_lens_N=step.short_lens,
                   block_size=step.block_size, qk_nope_head_dim=m.qk_nope_head_dim, scale=m.softmax_scale,
                   max_seq_len=step.short_max_len)
+        kv_b = self._kv_b_weight()
         if step.long is None:
-            return paged_latent_attention(q_THK, pool.latent, self.kv_b_proj.weight, **kw)
+            return paged_latent_attention(q_THK, pool.latent, kv_b, **kw)
         o_THV = q_THK.new_empty(q_THK.shape[0], m.num_heads, m.v_head_dim)
         if step.num_short:
             rows = step.short_rows
-            o_THV[rows] = paged_latent_attention(q_THK[rows], pool.latent, self.kv_b_proj.weight, **kw)
+            o_THV[rows] = paged_latent_attention(q_THK[rows], pool.latent, kv_b, **kw)
         lc = step.long
         # rows past a chunk's keys may be stale (or NaN-poisoned in tests): zeroed, as 0 * NaN would leak
         lat_NSX = torch.where(lc.key_valid[..., None], pool.latent[lc.key_index], 0)
@@ -80,6 +81,13 @@ class MultiHeadLatentAttention(nn.Module):
         o_NJHV = mla_attention(q_THK[lc.rows][lc.q_index], k_NSHK, v_NSHV, scale=m.softmax_scale, mask=lc.mask)
         o_THV[lc.rows] = o_NJHV.flatten(0, 1)[lc.unpack]
         return o_THV
+
+    def _kv_b_weight(self) -> Tensor:
+        """kv_b_proj's weight as the latent attention absorbs it (no module forward runs): with a LoRA adapter on it
+        (`kimik3.lora.LoraLinear`, which has `delta`) the adapter's update merged in, in fp32, then rounded."""
+        w = self.kv_b_proj.weight
+        delta = getattr(self.kv_b_proj, "delta", None)
+        return w if delta is None else (w.float() + delta()).to(w.dtype)
 
     def _expand(self, c_BSC: Tensor, k_r_BSR: Tensor) -> tuple[Tensor, Tensor]:
         """Per-head keys [k_n ; k_r] [B, S, H, N+R] and values [B, S, H, V] from normed latents and shared keys."""
