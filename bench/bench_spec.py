@@ -54,6 +54,38 @@ def timed(model, prompts, new: int, speculative=None, graphs: bool = False) -> t
     return [o.outputs[0].token_ids for o in outs], len(prompts) * new / dt, engine
 
 
+def divergence(outs: list[list[int]], refs: list[list[int]], margins: list[list[float]] | None) -> str:
+    """"exact", or where the first row that differs leaves the run without speculation and the top-2 logprob gap
+    of the run without speculation there (bf16 kernels sum differently over a verify step's rows than over one
+    decode row: a near-tie there can flip; the reference ops are bitwise equal, tests/inference)."""
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        if o != r:
+            t = next(j for j, (a, b) in enumerate(zip(o, r)) if a != b)
+            gap = f", top-2 gap {margins[i][t]:.3f} nats" if margins is not None else ""
+            return f"row {i} from token {t}{gap}"
+    return "exact"
+
+
+def top2_gaps(model, prompts, new: int, graphs: bool) -> list[list[float]]:
+    """Per row and generated token: the gap between the two largest logprobs, without speculation."""
+    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
+                    max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
+                    use_cuda_graphs=graphs)
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True, logprobs=2))
+    return [[lp.top[0][1] - lp.top[1][1] for lp in o.outputs[0].logprobs] for o in outs]
+
+
+def check(name: str, outs, refs, margins, exact: bool, result: dict) -> None:
+    """Record how the speculative greedy run compares with the one without; on the reference ops (`exact`) assert
+    equality."""
+    how = divergence(outs, refs, margins)
+    result["greedy_vs_off"] = how
+    if exact:
+        assert how == "exact", f"{name}: speculative greedy differs ({how})"
+    elif how != "exact":
+        print(f"{name}: speculative greedy differs at {how}", flush=True)
+
+
 def demo_rows(s: dict, results: dict, rows: list) -> None:
     from kimik3.checkpoint.loader import load
     from kimik3.presets import DEMO_DRAFTER, DEMO_MODEL
@@ -62,34 +94,38 @@ def demo_rows(s: dict, results: dict, rows: list) -> None:
     lm = load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True, device=DEVICE).language_model.eval()
     tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
     prompts = [tok.encode(p) for p in DEMO_PROMPTS]
-    new = s["demo_new"]
-    base = [timed(lm, [p], new) for p in prompts]
+    new, graphs = s["demo_new"], DEVICE.type == "cuda"  # as `kimik3 generate` runs it
+    base = [timed(lm, [p], new, graphs=graphs) for p in prompts]
     off = sum(b[1] for b in base) / len(base)
     for name, cfg in (("draft", SpeculativeConfig("draft", str(DEMO_DRAFTER), 7)),
                       ("suffix", SpeculativeConfig("suffix", None, 4))):
-        runs = [timed(lm, [p], new, cfg) for p in prompts]
+        runs = [timed(lm, [p], new, cfg, graphs) for p in prompts]
         assert all(r[0] == b[0] for r, b in zip(runs, base)), f"demo {name}: speculative greedy differs"
         acc = sum(r[2].speculator.stats.mean_accepted_length for r in runs) / len(runs)
         on = sum(r[1] for r in runs) / len(runs)
         results[f"demo {name}"] = dict(accepted_length=acc, tokens_per_s=on, tokens_per_s_off=off, speedup=on / off)
-        rows.append([f"demo {name} B=1", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x"])
+        rows.append([f"demo {name} B=1", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x", "exact"])
         print(" | ".join(rows[-1]), flush=True)
 
 
-def slice_rows(model, s: dict, results: dict, rows: list) -> None:
+def slice_rows(model, s: dict, results: dict, rows: list, exact: bool) -> None:
+    """The oracle and copy rows; `exact`: the model runs the reference ops (CPU), so speculation must not change a
+    token (on the GPU's bf16 kernels the rows report where it first does, and how close a call that was)."""
     V, k, new, graphs = model.config.vocab_size, s["k"], s["new"], DEVICE.type == "cuda"
     g = torch.Generator().manual_seed(0)
     for B in s["batches"]:
         prompts = [torch.randint(0, min(V, 1000), (s["prompt"],), generator=g).tolist() for _ in range(B)]
         ref, off, _ = timed(model, prompts, new, graphs=graphs)
+        gaps = None if exact else top2_gaps(model, prompts, new, graphs)
         for p in s["ps"]:
             proposer = OracleProposer([q + r for q, r in zip(prompts, ref)], p, V, seed=1)
             out, on, engine = timed(model, prompts, new, SpeculativeConfig(proposer, None, k), graphs)
-            assert out == ref, f"oracle p={p} B={B}: speculative greedy differs"
             acc = engine.speculator.stats.mean_accepted_length
-            results[f"oracle B={B} p={p}"] = dict(accepted_length=acc, expected=expected_accepted_length(p, k),
-                                                   tokens_per_s=on, tokens_per_s_off=off, speedup=on / off)
-            rows.append([f"oracle B={B} p={p}", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x"])
+            r = results[f"oracle B={B} p={p}"] = dict(accepted_length=acc, expected=expected_accepted_length(p, k),
+                                                       tokens_per_s=on, tokens_per_s_off=off, speedup=on / off)
+            check(f"oracle B={B} p={p}", out, ref, gaps, exact, r)
+            rows.append([f"oracle B={B} p={p}", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x",
+                         r["greedy_vs_off"]])
             print(" | ".join(rows[-1]), flush=True)
     # copy workload: random weights never copy by themselves, so the text copied is the target's own greedy
     # continuation: prompt = x + y + x with y = greedy(x) (one fixed-point round: y = greedy of that prompt), so
@@ -101,10 +137,11 @@ def slice_rows(model, s: dict, results: dict, rows: list) -> None:
     prompt = x + y[0] + x
     ref, off, _ = timed(model, [prompt], new, graphs=graphs)
     out, on, engine = timed(model, [prompt], new, SpeculativeConfig("suffix", None, k), graphs)
-    assert out == ref, "copy: speculative greedy differs"
     acc = engine.speculator.stats.mean_accepted_length
-    results["copy suffix B=1"] = dict(accepted_length=acc, tokens_per_s=on, tokens_per_s_off=off, speedup=on / off)
-    rows.append(["copy suffix B=1", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x"])
+    r = results["copy suffix B=1"] = dict(accepted_length=acc, tokens_per_s=on, tokens_per_s_off=off,
+                                          speedup=on / off)
+    check("copy suffix B=1", out, ref, None if exact else top2_gaps(model, [prompt], new, graphs), exact, r)
+    rows.append(["copy suffix B=1", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x", r["greedy_vs_off"]])
     print(" | ".join(rows[-1]), flush=True)
 
 
@@ -123,12 +160,12 @@ def main(mode: str) -> None:
         model = materialize(model).eval()
         results["experts"] = experts_backend_of(model)  # Humming's layout where it runs, as `kimik3 serve` does
         print(f"slice-12 experts: {results['experts']}", flush=True)
-        slice_rows(model, s, results, rows)
+        slice_rows(model, s, results, rows, exact=DEVICE.type != "cuda")
     elif mode == "smoke":
         slice_rows(K3ForCausalLM(smoke_config("slice-12").text, torch.float32).init_weights(0).eval(), s, results,
-                   rows)
-    print(table(f"speculative decoding ({mode})", ["row", "accepted length", "tok/s off", "tok/s on", "speedup"],
-                rows))
+                   rows, exact=True)
+    table(f"speculative decoding ({mode})", ["row", "accepted length", "tok/s off", "tok/s on", "speedup",
+                                             "greedy vs off"], rows)
     write_json("bench_spec", {"mode": mode, "sizes": s, "env": environment(), "results": results})
 
 
