@@ -188,6 +188,10 @@ class GrammarConstraint:
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(int(token_id))
 
+    def rollback(self, n: int) -> None:
+        """Undo the last n accepted tokens (speculative decoding walks the drafts through the grammar)."""
+        self._matcher.rollback(n)
+
     def is_finished(self) -> bool:
         return self._matcher.is_stopped() or self._matcher.is_error()
 

@@ -187,6 +187,42 @@ def test_constrained_rows_decode_without_drafts_beside_drafted_ones(model):
     assert engine.stats["spec_decode_num_drafts"] == 2
 
 
+class _EvenTokensRollback(_EvenTokens):
+    """The stand-in with the rollback a grammar has: constrained rows speculate."""
+
+    def rollback(self, n: int) -> None:
+        self.n -= n
+
+
+@pytest.mark.parametrize("p", [1.0, 0.6])
+def test_constrained_rows_speculate_where_the_constraint_rolls_back(model, p):
+    """Drafts are cut at the first token the constraint refuses (the oracle's wrong tokens are odd), each row is
+    masked by the constraint advanced by the drafts before it, and the constraint ends advanced by the committed
+    tokens only: the same tokens as without speculation."""
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (20, 30), generator_seed=6)
+    params = greedy(10)
+
+    def go(engine, both=True):
+        engine.add_request(Request("c", prompts[0], params, constraint=_EvenTokensRollback(V)))
+        if both:
+            engine.add_request(Request("u", prompts[1], params))
+        done: dict = {}
+        while engine.has_unfinished():
+            accumulate(done, engine.step())
+        return {k: (v.outputs[0].token_ids, v.outputs[0].finish_reason) for k, v in done.items()}
+
+    off = go(make_engine(model))
+    assert len(off["c"][0]) == 6 and off["c"][1] == "stop" and all(t % 2 == 0 for t in off["c"][0])
+    # the oracle's wrong token is the right one + 1: odd after an even one, so the constraint cuts it off
+    refs = [prompts[0] + off["c"][0], prompts[1] + off["u"][0]]
+    engine = make_engine(model, **spec(OracleProposer(refs, p, V, seed=2), 3))
+    assert go(engine) == off
+    alone = make_engine(model, **spec(OracleProposer(refs, p, V, seed=2), 3))
+    assert go(alone, both=False) == {"c": off["c"]}
+    assert alone.stats["spec_decode_num_drafts"] > 0 and alone.stats["spec_decode_num_accepted_tokens"] > 0
+
+
 class _FixedProposer:
     """Always drafts the same token (a deterministic proposer: q one-hot)."""
 

@@ -25,6 +25,10 @@ class TokenConstraint(Protocol):
 
     def is_finished(self) -> bool: ...  # grammar complete: the engine stops with finish_reason "stop"
 
+    # optional: `rollback(n)` undoes the last n accepted tokens. A constraint that has it speculates (each draft
+    # token is checked against the grammar advanced by the drafts before it, which is then rolled back); one
+    # without it decodes a token per step under speculative decoding.
+
 
 @dataclass
 class Request:

@@ -96,9 +96,12 @@ def penalize(x_MV: Tensor, seqs: list[Sequence], drafts: list[list[int]] | None 
     return x_MV
 
 
-def processed(logits_MV: Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> Tensor:
+def processed(logits_MV: Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None,
+              masks: list[Tensor | None] | None = None) -> Tensor:
     """fp32 logits after logit_bias, the penalties and the structured-output mask: what `draw` (or the
-    speculative acceptance rule) samples from. Row i belongs to seqs[i] (after drafts[i], see `penalize`)."""
+    speculative acceptance rule) samples from. Row i belongs to seqs[i] (after drafts[i], see `penalize`);
+    `masks[i]` (bool [V] allowed, None: none) replaces its constraint's mask (a row after drafts, whose grammar
+    state is not the sequence's)."""
     device, (M, V) = logits_MV.device, logits_MV.shape
     x = logits_MV.float()
     params = [s.params for s in seqs]
@@ -110,8 +113,9 @@ def processed(logits_MV: Tensor, seqs: list[Sequence], drafts: list[list[int]] |
                     bias[i, t] += b
         x = x + bias
     x = penalize(x, seqs, drafts)
-    allowed = {i: s.constraint.allowed() for i, s in enumerate(seqs) if s.constraint is not None}
-    allowed = {i: a for i, a in allowed.items() if a is not None}
+    if masks is None:
+        masks = [s.constraint.allowed() if s.constraint is not None else None for s in seqs]
+    allowed = {i: a for i, a in enumerate(masks) if a is not None}
     if allowed:
         banned = torch.zeros(M, V, dtype=torch.bool, device=device)
         for i, a in allowed.items():

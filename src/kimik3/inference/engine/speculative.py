@@ -14,8 +14,10 @@ per draft token), and no second forward. MLA latents of rejected positions are d
 not advancing over them (the next step overwrites them). The cost of the rollback is the re-fed tokens' share of
 the next row.
 
-Structured output does not speculate: the grammar (`TokenConstraint`) has no rollback, and each verification row
-would need the mask of the grammar advanced by the drafts before it; constrained rows decode one token a step.
+Structured output speculates where its constraint can roll back (`GrammarConstraint`): before the forward the
+draft is walked through the grammar, cut at its first token the grammar refuses, and each verification row keeps
+the mask of the grammar advanced by the drafts before it; the grammar is then rolled back, and advances by the
+committed tokens only (as without speculation). A constraint without `rollback` decodes a token per step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from kimik3.inference.engine.request import Sequence, Status, TokenLogprob
 from kimik3.inference.engine.runner import take_rows
 from kimik3.inference.engine.sampler import processed, raw_logprobs
 from kimik3.inference.engine.scheduler import Chunk
-from kimik3.inference.spec import Proposer, SpecStats, SuffixProposer, verify
+from kimik3.inference.spec import Draft, Proposer, SpecStats, SuffixProposer, verify
 from kimik3.model.state import StatePool
 
 
@@ -70,6 +72,7 @@ class Speculator:
         self.needs_taps = tuple(self.proposer.needs_taps)
         self.stats = SpecStats()
         self.tracks: dict[Sequence, _Track] = {}
+        self.masks: dict[Sequence, list[Tensor | None]] = {}  # a constrained draft's row masks, until verified
         self._next_id = 0
 
     def _track(self, seq: Sequence) -> _Track:
@@ -85,9 +88,12 @@ class Speculator:
             if seq.status is Status.FINISHED:
                 self.proposer.finish(t.id)
                 del self.tracks[seq]
+        self.masks.clear()
         for seq in running:
             seq.draft = None
-            if seq.status is not Status.RUNNING or len(seq.tokens) <= seq.num_prompt or seq.constraint is not None:
+            if seq.status is not Status.RUNNING or len(seq.tokens) <= seq.num_prompt:
+                continue
+            if seq.constraint is not None and not hasattr(seq.constraint, "rollback"):
                 continue
             t = self._track(seq)
             if self.needs_taps and (t.broken or t.tapped != len(seq.tokens) - 1):
@@ -109,7 +115,30 @@ class Speculator:
                 taps = torch.cat(t.taps) if t.taps else None
                 t.taps = []
             draft = self.proposer.propose(t.id, list(seq.tokens), k, taps)
+            if draft.tokens and seq.constraint is not None:
+                draft = self._constrain(seq, draft)
             seq.draft = draft if draft.tokens else None
+
+    def _constrain(self, seq: Sequence, draft: Draft) -> Draft:
+        """The draft up to its first token the grammar refuses; each row's mask kept in `masks` (the last row's,
+        after every kept draft, too); the grammar left as it was."""
+        c, masks, kept = seq.constraint, [], 0
+        for token in draft.tokens:
+            allowed = c.allowed()
+            if allowed is not None and not bool(allowed[token]):
+                break
+            masks.append(allowed)
+            c.accept(token)
+            kept += 1
+            if c.is_finished():  # the grammar ends here: nothing after this token is committed
+                break
+        masks.append(None if c.is_finished() else c.allowed())
+        c.rollback(kept)
+        if kept == 0:
+            return Draft()
+        self.masks[seq] = masks
+        return Draft(draft.tokens[:kept], None if draft.probs is None else draft.probs[:kept],
+                     None if draft.confidence is None else draft.confidence[:kept])
 
     def save(self, chunks: list[Chunk]) -> tuple[Tensor, Tensor, dict[Sequence, int]] | None:
         """Copy the KDA slots of the drafted rows (before the forward): (recurrent, conv, row of each seq)."""
@@ -131,15 +160,19 @@ class Speculator:
                ) -> list[tuple[Sequence, list[int], list[TokenLogprob | None]]]:
         """Each drafted sequence's committed tokens and their logprobs. `items`: (seq, its first row of logits_MV);
         row j of a sequence is the target after its last committed token and draft[:j]."""
-        rows, seqs, before = [], [], []
+        rows, seqs, before, masks = [], [], [], []
         for seq, r in items:
             d = list(seq.draft_tokens)
+            row_masks = self.masks.get(seq) or [seq.constraint.allowed() if seq.constraint is not None else None
+                                                for _ in range(len(d) + 1)]
             for j in range(len(d) + 1):
                 rows.append(r + j)
                 seqs.append(seq)
                 before.append(d[:j])
+                masks.append(row_masks[j])
         raw = take_rows(logits_MV, rows)
-        x = processed(raw, seqs, before)  # logit bias, and the penalties counting the drafts before each row
+        # logit bias, the penalties counting the drafts before each row, each row's grammar mask
+        x = processed(raw, seqs, before, masks)
         out, i = [], 0
         for seq, _ in items:
             k = len(seq.draft_tokens)
