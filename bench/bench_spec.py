@@ -14,6 +14,7 @@ Every speculative run is checked against the run without speculation, token for 
     PYTHONPATH=src:. python3 bench/bench_spec.py             # device: demo + slice-12, $OUT/bench_spec.json
     PYTHONPATH=src:. python3 bench/bench_spec.py --cpu-demo  # the demo rows on the CPU
     PYTHONPATH=src:. python3 bench/bench_spec.py --slice-only  # device: the slice-12 rows alone
+    PYTHONPATH=src:. python3 bench/bench_spec.py --paths-only  # device: the paths' logprobs vs a full forward
     PYTHONPATH=src:. python3 bench/bench_spec.py --smoke     # CPU check of this script at toy sizes
 """
 
@@ -146,8 +147,41 @@ def slice_rows(model, s: dict, results: dict, rows: list, exact: bool) -> None:
     print(" | ".join(rows[-1]), flush=True)
 
 
+def path_rows(model, results: dict, rows: list, new: int = 24, k: int = 7) -> None:
+    """Where speculative greedy leaves the run without it on bf16 kernels: the logprob of each generated token as
+    decode steps compute it, as verification chunks compute it (an oracle that drafts the decode run's tokens,
+    p = 1, with CUDA graphs as the timed rows run), as a prefill computes it (`prompt_logprobs`), and as the full
+    forward without a cache does (the reference): the largest difference of each path from the reference, over
+    the tokens up to where the verified run first picks another token."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 1000, (256,), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True, logprobs=1)
+    graphs = DEVICE.type == "cuda"
+    kw = dict(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=512, enable_prefix_cache=False,
+              use_cuda_graphs=graphs)
+    dec = Engine(model, **kw).generate([prompt], params)[0].outputs[0]
+    proposer = OracleProposer([prompt + dec.token_ids], 1.0, model.config.vocab_size)
+    ver = Engine(model, speculative=SpeculativeConfig(proposer, None, k), **kw).generate([prompt], params)[0]
+    ver = ver.outputs[0]
+    same = next((j for j, (a, b) in enumerate(zip(ver.token_ids, dec.token_ids)) if a != b), new)
+    full_ids = prompt + dec.token_ids
+    pre = Engine(model, **kw).generate([full_ids], SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0))
+    pre_lp = [e.logprob for e in pre[0].prompt_logprobs[len(prompt):]]
+    logits = model(torch.tensor([full_ids], device=DEVICE))
+    logits = (logits.logits if hasattr(logits, "logits") else logits)[0, len(prompt) - 1: -1].float()
+    ref = logits.log_softmax(-1).gather(1, torch.tensor(dec.token_ids, device=DEVICE)[:, None])[:, 0].tolist()
+    err = lambda lps, n: max(abs(a - b) for a, b in zip(lps[:n], ref[:n]))  # noqa: E731
+    out = {"tokens_compared": same, "decode": err([e.logprob for e in dec.logprobs], new),
+           "verify": err([e.logprob for e in ver.logprobs], max(same, 1)), "prefill": err(pre_lp, new)}
+    results["paths"] = out
+    print(f"paths: {out}", flush=True)
+    for name in ("decode", "verify", "prefill"):
+        n = out["tokens_compared"] if name == "verify" else new
+        rows.append([f"|logprob - full forward|, {name}", f"{out[name]:.2e}", f"over {n} tokens", "", "", ""])
+
+
 @torch.no_grad()
-def main(mode: str, slice_only: bool = False) -> None:
+def main(mode: str, slice_only: bool = False, paths_only: bool = False) -> None:
     s = SIZES[mode]
     results, rows = {}, []
     if mode != "smoke" and not slice_only:
@@ -161,10 +195,13 @@ def main(mode: str, slice_only: bool = False) -> None:
         model = materialize(model).eval()
         results["experts"] = experts_backend_of(model)  # Humming's layout where it runs, as `kimik3 serve` does
         print(f"slice-12 experts: {results['experts']}", flush=True)
-        slice_rows(model, s, results, rows, exact=DEVICE.type != "cuda")
+        path_rows(model, results, rows)
+        if not paths_only:
+            slice_rows(model, s, results, rows, exact=DEVICE.type != "cuda")
     elif mode == "smoke":
-        slice_rows(K3ForCausalLM(smoke_config("slice-12").text, torch.float32).init_weights(0).eval(), s, results,
-                   rows, exact=True)
+        model = K3ForCausalLM(smoke_config("slice-12").text, torch.float32).init_weights(0).eval()
+        path_rows(model, results, rows, new=8, k=3)
+        slice_rows(model, s, results, rows, exact=True)
     table(f"speculative decoding ({mode})", ["row", "accepted length", "tok/s off", "tok/s on", "speedup",
                                              "greedy vs off"], rows)
     write_json("bench_spec", {"mode": mode, "sizes": s, "env": environment(), "results": results})
@@ -172,6 +209,7 @@ def main(mode: str, slice_only: bool = False) -> None:
 
 if __name__ == "__main__":
     flags = sys.argv[1:]
-    slice_only = "--slice-only" in flags  # the device's slice-12 rows alone (the demo rows take a few minutes)
-    flag = next((f for f in flags if f != "--slice-only"), "")
-    main({"--smoke": "smoke", "--cpu-demo": "cpu-demo", "": "device"}[flag], slice_only)
+    paths_only = "--paths-only" in flags  # the device's logprob comparison of the paths alone
+    slice_only = paths_only or "--slice-only" in flags  # the device's slice-12 rows alone (the demo rows take minutes)
+    flag = next((f for f in flags if f not in ("--slice-only", "--paths-only")), "")
+    main({"--smoke": "smoke", "--cpu-demo": "cpu-demo", "": "device"}[flag], slice_only, paths_only)
