@@ -165,18 +165,25 @@ class _EvenTokens:
         return self.n >= 6
 
 
+def _constrained_beside_free(engine, prompts, params, constraint) -> dict:
+    """Request "c" (prompts[0], under the constraint) and, given a second prompt, "u" beside it, run to the end:
+    {request id: (token ids, finish reason)}."""
+    engine.add_request(Request("c", prompts[0], params, constraint=constraint))
+    if len(prompts) > 1:
+        engine.add_request(Request("u", prompts[1], params))
+    done: dict = {}
+    while engine.has_unfinished():
+        accumulate(done, engine.step())
+    return {k: (v.outputs[0].token_ids, v.outputs[0].finish_reason) for k, v in done.items()}
+
+
 def test_constrained_rows_decode_without_drafts_beside_drafted_ones(model):
     V = model.config.vocab_size
     prompts = random_prompts(V, (20, 30), generator_seed=6)
     params = greedy(10)
 
     def go(engine):
-        engine.add_request(Request("c", prompts[0], params, constraint=_EvenTokens(V)))
-        engine.add_request(Request("u", prompts[1], params))
-        done: dict = {}
-        while engine.has_unfinished():
-            accumulate(done, engine.step())
-        return {k: (v.outputs[0].token_ids, v.outputs[0].finish_reason) for k, v in done.items()}
+        return _constrained_beside_free(engine, prompts, params, _EvenTokens(V))
 
     off = go(make_engine(model))
     assert len(off["c"][0]) == 6 and all(t % 2 == 0 for t in off["c"][0])
@@ -204,13 +211,7 @@ def test_constrained_rows_speculate_where_the_constraint_rolls_back(model, p):
     params = greedy(10)
 
     def go(engine, both=True):
-        engine.add_request(Request("c", prompts[0], params, constraint=_EvenTokensRollback(V)))
-        if both:
-            engine.add_request(Request("u", prompts[1], params))
-        done: dict = {}
-        while engine.has_unfinished():
-            accumulate(done, engine.step())
-        return {k: (v.outputs[0].token_ids, v.outputs[0].finish_reason) for k, v in done.items()}
+        return _constrained_beside_free(engine, prompts if both else prompts[:1], params, _EvenTokensRollback(V))
 
     off = go(make_engine(model))
     assert len(off["c"][0]) == 6 and off["c"][1] == "stop" and all(t % 2 == 0 for t in off["c"][0])
