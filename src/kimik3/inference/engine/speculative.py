@@ -163,8 +163,8 @@ class Speculator:
         rows, seqs, before, masks = [], [], [], []
         for seq, r in items:
             d = list(seq.draft_tokens)
-            row_masks = self.masks.get(seq) or [seq.constraint.allowed() if seq.constraint is not None else None
-                                                for _ in range(len(d) + 1)]
+            # a constrained draft always has its masks (`_constrain`); an unconstrained row has none
+            row_masks = self.masks.get(seq, [None] * (len(d) + 1))
             for j in range(len(d) + 1):
                 rows.append(r + j)
                 seqs.append(seq)
