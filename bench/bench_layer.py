@@ -15,7 +15,7 @@ from bench.build import dense_bytes, expert_bytes, experts_backend_of, linear_fl
 from bench.common import DEVICE, ceilings, environment, graphed, median_ms, profile_top, smoke_config, table, write_json
 from kimik3.model.decoder import DecoderLayer
 from kimik3.model.state import StatePool
-from kimik3.model.step import decode_step
+from kimik3.model.step import uniform_step
 from kimik3.presets import load_config
 
 
@@ -49,8 +49,9 @@ def main(smoke: bool = False, profile: bool = False):
             for t in (pool.recurrent, pool.conv, pool.latent):
                 t.normal_()
             slots = torch.arange(B, device=DEVICE)
-            step = decode_step(slots, torch.full((B,), context, device=DEVICE),
-                               torch.arange(B * MB, device=DEVICE).view(B, MB), block_size=64, max_len=context + 1)
+            step = uniform_step(slots, torch.full((B,), context, device=DEVICE),
+                                torch.arange(B * MB, device=DEVICE).view(B, MB), row_len=1, block_size=64,
+                                max_len=context + 1)
             x = torch.randn(1, B, D, device=DEVICE, dtype=torch.bfloat16)  # a step packs its rows in one
             eager = lambda: layer(x, blocks[:, :B].transpose(1, 2), None, pool.layers[0], step)  # noqa: E731
             if profile and B == 1:

@@ -103,13 +103,19 @@ class KimiDeltaAttention(nn.Module):
     def _cached(self, x_1TD: Tensor, pool: KDAView, step: Step) -> Tensor:
         """N packed chunks [1, T], each continuing the state in its slot.
 
-        Decode-only steps run the recurrent kernel over N rows of one token; anything else the chunked kernel
-        over the packed row (varlen), each sequence from its slot's state. States the step exports (prefix
-        snapshots) are appended to `step.kda_exports` as (recurrent [E, H, K, V], conv q, k, v [E, W-1, P])."""
+        Uniform steps (every chunk `step.row_len` tokens: decode, graphed verification) run the recurrent kernel
+        over [N, row_len]; anything else the chunked kernel over the packed row (varlen), each sequence from its
+        slot's state. States the step exports (prefix snapshots) are appended to `step.kda_exports` as
+        (recurrent [E, H, K, V], conv q, k, v [E, W-1, P]). The slots of sequences verifying a draft
+        (`step.verify`) are left as they were: their inputs are saved for `commit`."""
         _, T, _ = x_1TD.shape
         H, K = self.num_heads, self.head_dim
         x_TD = x_1TD[0]
-        exports = []
+        vr = step.verify
+        exports, tails_in = [], []
+        # this forward writes the state of every sequence, or of those not verifying a draft (maybe none)
+        writes = vr is None or vr.others is not None
+        own = (lambda x: x) if vr is None else (lambda x: x[vr.others])  # noqa: E731
 
         def conv(mod: ShortConvolution, proj: nn.Linear, tails: Tensor) -> Tensor:
             if step.decode_only and step.kda_exports is None:
@@ -119,7 +125,10 @@ class KimiDeltaAttention(nn.Module):
             out_TP = mod.gathered(ext_XP, step.conv_index)
             if step.kda_exports is not None:
                 exports.append(ext_XP[step.export_tail_index])
-            tails.index_copy_(0, step.slots, ext_XP[step.tail_index])
+            if vr is not None:
+                tails_in.append(ext_XP[vr.tail_rows])
+            if writes:
+                tails.index_copy_(0, own(step.slots), ext_XP[own(step.tail_index)])
             return out_TP.view(1, T, H, K)
 
         q, k, v = (conv(m, p, t) for m, p, t in ((self.q_conv1d, self.q_proj, pool.conv_q),
@@ -129,10 +138,11 @@ class KimiDeltaAttention(nn.Module):
         beta = self.b_proj(x_1TD).float()
         state0 = pool.recurrent[step.slots]
         kw = dict(lower_bound=self.lower_bound, scale=K**-0.5, initial_state=state0)
-        if step.decode_only:  # N rows of one token each
-            o, state = recurrent_kda_with_gate(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), self.A_log,
-                                               self.dt_bias, output_final_state=True, **kw)
-            o = o.transpose(0, 1)
+        if step.row_len:  # N rows of row_len tokens each
+            N = step.slots.shape[0]
+            o, state = recurrent_kda_with_gate(*(t.view(N, step.row_len, *t.shape[2:]) for t in (q, k, v, g, beta)),
+                                               self.A_log, self.dt_bias, output_final_state=True, **kw)
+            o = o.reshape(1, T, H, K)
             inner = state.new_empty(0, *state.shape[1:])
         elif step.checkpoints is not None:
             o, state, inner = chunk_kda_with_gate_checkpoints(q, k, v, g, beta, self.A_log, self.dt_bias,
@@ -144,9 +154,33 @@ class KimiDeltaAttention(nn.Module):
             inner = state.new_empty(0, *state.shape[1:])
         if step.kda_exports is not None:
             step.kda_exports.append((torch.cat([inner, state])[step.export_pick], *exports))
-        pool.recurrent.index_copy_(0, step.slots, state.float())
+        if vr is not None:
+            vr.save(*(t[0][vr.rows] for t in (k, v, g, beta)), *tails_in)
+        if writes:
+            pool.recurrent.index_copy_(0, own(step.slots), own(state).float())
         o = self.o_norm(o, self.g_proj(x_1TD).view(1, T, H, K))
         return self.o_proj(o.reshape(1, T, H * K))
+
+    def commit(self, pool: KDAView, saved: tuple[Tensor, ...], slots_N: Tensor, keep_N: Tensor) -> None:
+        """After verification: each verifying sequence's slot becomes its state after the first `keep_N[n]`
+        tokens of its row. The delta rule runs again from the slot (the forward left it as it was) over the
+        saved inputs, the positions past keep masked by a log-decay of 0 and a write strength of 0 (logits of
+        -inf through the gate's sigmoids), which leave the state unchanged exactly; the conv tails become the
+        W-1 pre-conv inputs ending at keep. `saved`: this layer's `VerifyRows.saved` entry."""
+        k, v, g, beta, *tails_in = saved
+        N, L = k.shape[:2]
+        live_NL = torch.arange(L, device=keep_N.device) < keep_N[:, None]
+        g = g.masked_fill(~live_NL[..., None, None], float("-inf"))
+        beta = beta.masked_fill(~live_NL[..., None], float("-inf"))
+        _, state = recurrent_kda_with_gate(k, k, v, g, beta, self.A_log, self.dt_bias, lower_bound=self.lower_bound,
+                                           scale=self.head_dim**-0.5, initial_state=pool.recurrent[slots_N],
+                                           output_final_state=True)
+        pool.recurrent.index_copy_(0, slots_N, state.float())
+        W1 = tails_in[0].shape[1] - L  # W-1: row c of tails_in is chunk offset c - (W-1)
+        pick = (keep_N[:, None] + torch.arange(W1, device=keep_N.device))[..., None].expand(-1, -1,
+                                                                                             tails_in[0].shape[-1])
+        for tails, x_NCP in zip((pool.conv_q, pool.conv_k, pool.conv_v), tails_in):
+            tails.index_copy_(0, slots_N, x_NCP.gather(1, pick))
 
     @torch.no_grad()
     def reset_kda_parameters(self) -> None:

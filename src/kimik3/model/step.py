@@ -1,18 +1,24 @@
 """A `Step`: the new tokens of N sequences packed in one row [1, T], and where each reads and writes its state.
 
-Legend: N sequences, T packed tokens, W conv window, MB blocks per block table, Bs block size, Tq the longest
-long chunk, Sk its key span, E exported snapshots. Sequence n owns KDA slot `slots[n]` and the MLA blocks of its
-block table; it has `cached[n]` tokens in the pool and brings `lens[n]` new ones.
+Legend: N sequences, T packed tokens, W conv window, MB blocks per block table, Bs block size, Tq the longest long
+chunk, Sk its key span, E exported snapshots, Nv sequences verifying a draft, L the longest of their rows. Sequence
+n owns KDA slot `slots[n]` and the MLA blocks of its block table; it has `cached[n]` tokens in the pool and brings
+`lens[n]` new ones.
 
 MLA splits the step by chunk length: short chunks (decode rows, speculative drafts) attend in the latent space
 through `kimik3.ops.mla.paged_latent_attention`, whose work follows each sequence's cached tokens; long chunks
 (prefill) expand their keys per head and attend under a mask over just their own key span. So a prefill chunk
 never pads the decode rows that share its step to its length, and no step's work grows with `max_model_len`.
+
+A sequence verifying a speculative draft (`VerifyRows`) runs its row like any other, but the forward leaves its
+KDA slot as it was: which of its tokens are kept is known only after the logits, and the commit then runs the delta
+rule again over just those (`KimiDeltaAttention.commit`, from the inputs the forward saved), so the slot never
+holds a rejected token's state and no per-token state is stored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -33,8 +39,34 @@ class LongChunks:
 
 
 @dataclass
+class VerifyRows:
+    """The sequences of a step that verify a draft. The forward saves each KDA layer's delta-rule inputs and
+    pre-conv inputs of their rows (`save`), and writes no KDA state of theirs; the commit writes it."""
+
+    seqs: Tensor  # [Nv] their rows of the step's N
+    rows: Tensor  # [Nv, L] the packed rows of their tokens (a shorter row padded with its last)
+    tail_rows: Tensor  # [Nv, L+W-1] rows of cat(new pre-conv inputs, slot tails) at chunk offsets -(W-1)..L-1
+    others: Tensor | None  # [N-Nv] the step's other sequences (their state the forward writes), None if none
+    # per KDA layer (k, v, g, beta [Nv, L, ...], q/k/v pre-conv inputs [Nv, L+W-1, P]); given buffers (a graph's
+    # static ones) are copied into, else the tensors are kept
+    saved: list[tuple[Tensor, ...]] = field(default_factory=list)
+    buffers: list[tuple[Tensor, ...]] | None = None
+
+    def save(self, *tensors: Tensor) -> None:
+        if self.buffers is None:
+            self.saved.append(tensors)
+            return
+        out = self.buffers[len(self.saved)]
+        for o, t in zip(out, tensors):
+            o.copy_(t)
+        self.saved.append(out)
+
+
+@dataclass
 class Step:
-    decode_only: bool  # every chunk is one token: KDA runs its recurrent kernel over N rows
+    # tokens of every chunk when they are all the same (1: a decode step; 1 + k: a graphed verification step):
+    # KDA runs its recurrent kernel over [N, row_len]; 0 when they differ (the chunked kernel, varlen)
+    row_len: int
     cu_seqlens: Tensor  # [N+1] chunk boundaries in the packed row
     slots: Tensor  # [N]
     block_size: int
@@ -52,26 +84,54 @@ class Step:
     export_tail_index: Tensor | None = None  # [E, W-1] conv-tail rows of each export
     export_pick: Tensor | None = None  # [E] rows of cat(interior checkpoints [M], final states [N])
     kda_exports: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None  # filled per KDA layer, in order
+    verify: VerifyRows | None = None
+
+    @property
+    def decode_only(self) -> bool:
+        return self.row_len == 1
 
     @property
     def num_short(self) -> int:
         return self.short_lens.shape[0]
 
 
-def decode_step(slots: Tensor, cached: Tensor, tables: Tensor, *, block_size: int, max_len: int) -> Step:
-    """One new token for each of N sequences, from device tensors only (a CUDA graph captures it with buffers
-    it refills before each replay). `max_len` bounds cached + 1 (static under a graph)."""
-    N, device = slots.shape[0], slots.device
-    pos = cached
-    write = tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
-    cu = torch.arange(N + 1, device=device)
-    return Step(decode_only=True, cu_seqlens=cu, slots=slots, block_size=block_size, write_index=write,
-                short_rows=None, short_cu=cu, short_lens=cached + 1, short_tables=tables, short_max_len=max_len)
+def uniform_step(slots: Tensor, cached: Tensor, tables: Tensor, *, row_len: int, block_size: int, max_len: int,
+                 conv_window: int = 0, pad_block: int = 0) -> Step:
+    """`row_len` new tokens for each of N sequences, from device tensors only (a CUDA graph captures it with
+    buffers it refills before each replay). `max_len` bounds cached + row_len (static under a graph).
+
+    Decode is row_len 1. A longer row is a verification step (every sequence verifies, `Step.verify`): a
+    sequence with fewer tokens is padded with tokens it will not keep, and a padding position past its table
+    writes its latent into the `pad_block`."""
+    N, L, Bs, device = slots.shape[0], row_len, block_size, slots.device
+    if L == 1:
+        write = tables.gather(1, (cached // Bs)[:, None])[:, 0] * Bs + cached % Bs
+        cu = torch.arange(N + 1, device=device)
+        return Step(row_len=1, cu_seqlens=cu, slots=slots, block_size=Bs, write_index=write, short_rows=None,
+                    short_cu=cu, short_lens=cached + 1, short_tables=tables, short_max_len=max_len)
+    W, MB = conv_window, tables.shape[1]
+    pos_NL = cached[:, None] + torch.arange(L, device=device)
+    blk_NL = pos_NL // Bs
+    block_NL = torch.where(blk_NL < MB, tables.gather(1, blk_NL.clamp(max=MB - 1)), pad_block)
+    n = torch.arange(N, device=device)[:, None]
+
+    def ext_rows(off: Tensor) -> Tensor:  # as build_step's, for chunks of L tokens
+        return torch.where(off >= 0, n * L + off, N * L + n * (W - 1) + (W - 1) + off)
+
+    j = torch.arange(L, device=device)
+    cu = torch.arange(N + 1, device=device) * L
+    return Step(row_len=L, cu_seqlens=cu, slots=slots, block_size=Bs,
+                write_index=(block_NL * Bs + pos_NL % Bs).flatten(), short_rows=None, short_cu=cu,
+                short_lens=cached + L, short_tables=tables, short_max_len=max_len,
+                conv_index=torch.stack([ext_rows(j - (W - 1) + w).flatten() for w in range(W)]),
+                tail_index=ext_rows(L - (W - 1) + torch.arange(W - 1, device=device)),
+                verify=VerifyRows(n[:, 0], torch.arange(N * L, device=device).view(N, L),
+                                  ext_rows(torch.arange(-(W - 1), L, device=device)), None))
 
 
 def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: list[list[int]], block_size: int,
                conv_window: int, pad_block: int, device: torch.device,
-               exports: list[list[int]] | None = None) -> Step:
+               exports: list[list[int]] | None = None, verify: list[int] | None = None) -> Step:
     """The step of N chunks from host lists (eager steps: every shape is known here, nothing is read back).
 
     Args:
@@ -79,13 +139,14 @@ def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: 
         tables: N block lists (covering cached + lens positions); padded with `pad_block` to the longest.
         exports: per sequence, offsets from its chunk start (multiples of the KDA chunk, at most its length)
             where the KDA state is exported into `step.kda_exports`.
+        verify: the sequences that verify a draft (`Step.verify`).
     """
     N, W, T = len(slots), conv_window, sum(lens)
-    if lens == [1] * N and not (exports and any(exports)):
+    if lens == [1] * N and not (exports and any(exports)) and not verify:
         width = max(map(len, tables))
         t = torch.tensor([b + [pad_block] * (width - len(b)) for b in tables], dtype=torch.long)
-        return decode_step(torch.tensor(slots, device=device), torch.tensor(cached, device=device), t.to(device),
-                           block_size=block_size, max_len=max(cached) + 1)
+        return uniform_step(torch.tensor(slots, device=device), torch.tensor(cached, device=device), t.to(device),
+                            row_len=1, block_size=block_size, max_len=max(cached) + 1)
     dev = lambda x: torch.as_tensor(x, dtype=torch.long).to(device)  # noqa: E731
     starts = [0]
     for n in lens[:-1]:
@@ -111,7 +172,7 @@ def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: 
     long = [n for n in range(N) if lens[n] >= EXPANDED_FROM_TOKENS]
     short_rows = torch.cat([torch.arange(starts[n], starts[n] + lens[n]) for n in short]) if short else \
         torch.zeros(0, dtype=torch.long)
-    step = Step(decode_only=False, cu_seqlens=dev(cu), slots=dev(slots), block_size=block_size,
+    step = Step(row_len=0, cu_seqlens=dev(cu), slots=dev(slots), block_size=block_size,
                 write_index=write_index.to(device),
                 short_rows=short_rows.to(device) if len(short) < N else None,
                 short_cu=dev(torch.tensor([0, *(lens[n] for n in short)]).cumsum(0)),
@@ -121,6 +182,14 @@ def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: 
                 conv_index=conv_index.to(device), tail_index=tail_index.to(device))
     if exports is not None and any(exports):
         _add_exports(step, exports, lens, ext_rows, rows, device)
+    if verify:
+        L, nv = max(lens[n] for n in verify), torch.tensor(verify)
+        last = torch.tensor([lens[n] - 1 for n in verify])[:, None]  # offsets past a row's end repeat its last
+        vrows = starts_t[nv][:, None] + torch.minimum(torch.arange(L), last)
+        others = [n for n in range(N) if n not in verify]
+        step.verify = VerifyRows(nv.to(device), vrows.to(device),
+                                 ext_rows(nv[:, None], torch.minimum(torch.arange(-(W - 1), L), last)).to(device),
+                                 torch.tensor(others, device=device) if others else None)
     return step
 
 

@@ -99,7 +99,7 @@ def test_graphed_decode_equals_eager_engine(models):
     ps = prompts((30, 50, 9), seed=3)
     params = SamplingParams(temperature=0, max_new_tokens=12, logprobs=0)
     graphed = engine(gpu, use_cuda_graphs=True)
-    assert graphed.runner.sizes == [1, 2, 4, 8] and sorted(graphed.runner.graphs) == [(n, 16) for n in (1, 2, 4, 8)]
+    assert graphed.runner.sizes == [1, 2, 4, 8] and sorted(graphed.runner.graphs) == [(n, 16, 1) for n in (1, 2, 4, 8)]
     a = graphed.generate(ps, params)
     b = engine(gpu, use_cuda_graphs=False).generate(ps, params)
     for x, y in zip(a, b):
@@ -122,3 +122,46 @@ def test_abort_under_graphs(models):
     while eng.has_unfinished():
         accumulate(outs, eng.step())
     assert outs["1"].outputs[0].finish_reason == "length" and len(eng.slots) == 8
+
+
+def _oracle_run(model, ps, params, p, k, graphs):
+    """(the run without speculation, the run with an oracle right with probability p, its engine)."""
+    from kimik3.inference.engine import SpeculativeConfig
+    from kimik3.inference.spec.oracle import OracleProposer
+
+    ref = engine(model, use_cuda_graphs=graphs).generate(ps, params)
+    oracle = OracleProposer([q + r.outputs[0].token_ids for q, r in zip(ps, ref)], p, 300, seed=2)
+    eng = engine(model, use_cuda_graphs=graphs, speculative=SpeculativeConfig(oracle, None, k))
+    return ref, eng.generate(ps, params), eng
+
+
+@torch.no_grad()
+def test_speculative_eager_fp32_equals_non_speculative(models):
+    """fp32 on fla's kernels: drafted rows verified by the chunked kernel, their slots written by `commit`."""
+    _, gpu, _ = models
+    ps = prompts((30, 50, 9), seed=5)
+    params = SamplingParams(temperature=0, max_new_tokens=16, logprobs=0)
+    ref, out, eng = _oracle_run(gpu, ps, params, 0.6, 4, graphs=False)
+    assert eng.stats["spec_decode_num_accepted_tokens"] > 0
+    for x, y in zip(out, ref):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert rel_err(torch.tensor([lp.logprob for lp in x.outputs[0].logprobs]),
+                       torch.tensor([lp.logprob for lp in y.outputs[0].logprobs])) < 1e-4
+
+
+@torch.no_grad()
+def test_speculative_verification_graphs_bf16(models):
+    """bf16: drafted steps replay the verification graphs (rows padded to 1 + k) and agree with the graphed run
+    without speculation as the graphed and eager decodes agree (bf16 sums may part them near a tie)."""
+    *_, gpu = models
+    ps = prompts((30, 50, 9), seed=3)
+    params = SamplingParams(temperature=0, max_new_tokens=16, logprobs=0)
+    ref, out, eng = _oracle_run(gpu, ps, params, 0.7, 4, graphs=True)
+    assert sorted(k for k in eng.runner.graphs if k[2] > 1) == [(n, 16, 5) for n in (1, 2, 4, 8)]
+    assert sorted(eng.runner.commit_graphs) == [1, 2, 4, 8]
+    assert eng.stats["spec_decode_num_accepted_tokens"] > 0
+    for x, y in zip(out, ref):
+        n = next((i for i, (p, q) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)) if p != q), 16)
+        assert n >= 6, f"speculative and plain decodes part after {n} tokens"
+        assert rel_err(torch.tensor([lp.logprob for lp in x.outputs[0].logprobs[:n + 1]]),
+                       torch.tensor([lp.logprob for lp in y.outputs[0].logprobs[:n + 1]])) < 2e-2

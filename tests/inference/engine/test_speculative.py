@@ -39,15 +39,18 @@ def spec(method, k: int = 4, **kw) -> dict:
     return dict(speculative=SpeculativeConfig(method, num_speculative_tokens=k), **kw)
 
 
-@pytest.mark.parametrize("p,k,batch", [(0.0, 3, 8), (0.6, 4, 8), (0.9, 7, 3), (1.0, 2, 1), (0.75, 1, 8)])
-def test_greedy_oracle_equals_non_speculative(model, p, k, batch):
+@pytest.mark.parametrize("p,k,batch,graphs", [(0.0, 3, 8, False), (0.6, 4, 8, False), (0.6, 4, 8, True),
+                                              (0.9, 7, 3, True), (1.0, 2, 1, False), (0.75, 1, 8, True)])
+def test_greedy_oracle_equals_non_speculative(model, p, k, batch, graphs):
     V = model.config.vocab_size
     prompts = random_prompts(V, LENGTHS[:batch], generator_seed=batch)
     params = greedy(17, logprobs=2)
     ref = run(make_engine(model), prompts, params)
-    engine = make_engine(model, **spec(oracle(prompts, ref, p, V), k))
+    engine = make_engine(model, use_cuda_graphs=graphs, **spec(oracle(prompts, ref, p, V), k))
     outs = run(engine, prompts, params)
     assert ids(outs) == ids(ref)
+    # graphs=True: drafted steps ran the verification graphs' static form (rows padded to 1 + k)
+    assert any(L == k + 1 for _, _, L in engine.runner.graphs) == graphs
     st = engine.stats
     assert st["spec_decode_num_drafts"] > 0
     if p == 0:
@@ -75,7 +78,10 @@ def _states(engine: Engine) -> dict[tuple[str, int], tuple[int, torch.Tensor, to
     return out
 
 
-def test_committed_state_equals_non_speculative_after_every_step(model):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_committed_state_equals_non_speculative_after_every_step(model, graphs):
+    """Eager steps, and (graphs=True) the graphs' static steps run eagerly on the CPU: every row padded to 1 + k,
+    the slots written by the commit after verification."""
     V = model.config.vocab_size
     prompts = random_prompts(V, (9, 70, 3), generator_seed=3)
     params = greedy(20)
@@ -89,21 +95,25 @@ def test_committed_state_equals_non_speculative_after_every_step(model):
         for key, (n, *state) in _states(ref_engine).items():
             reference[key, n] = state
     outs = [done[str(i)] for i in range(len(prompts))]
-    engine = make_engine(model, **spec(oracle(prompts, outs, 0.6, V), 5))
+    engine = make_engine(model, use_cuda_graphs=graphs, **spec(oracle(prompts, outs, 0.6, V), 5))
     for i, q in enumerate(prompts):
         engine.add_request(Request(str(i), q, params))
-    checked, rolled_back = 0, 0
+    checked, partial, st = 0, 0, engine.stats
     while engine.has_unfinished():
+        before = st["spec_decode_num_draft_tokens"] - st["spec_decode_num_accepted_tokens"]
         engine.step()
+        st = engine.stats
+        partial += st["spec_decode_num_draft_tokens"] - st["spec_decode_num_accepted_tokens"] > before
         for key, (n, *state) in _states(engine).items():
             seq = next(s for s in engine.scheduler.running if (s.group.request.request_id, s.index) == key)
-            rolled_back += len(seq.tokens) - n > 1
+            assert len(seq.tokens) - n <= 1 or n < seq.num_prompt  # nothing is re-fed after a rejection
             if (key, n) not in reference:  # mid-prefill lengths the reference never stopped at
                 continue
             for got, want in zip(state, reference[key, n]):
                 assert rel_err(got, want) < 1e-5
             checked += 1
-    assert checked >= 20 and rolled_back > 0
+    assert checked >= 20 and partial > 0
+    assert any(L > 1 for _, _, L in engine.runner.graphs) == graphs
     assert engine.stats["spec_decode_num_accepted_tokens"] > 0
 
 

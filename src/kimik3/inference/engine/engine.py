@@ -100,18 +100,18 @@ class Engine:
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    snapshot_interval=cfg.snapshot_interval, interior_snapshots=supports_checkpoints(w),
                                    max_model_len=self.max_model_len, eos_token_ids=tuple(eos_token_ids))
-        self.speculator = Speculator(cfg.speculative, lm, self.pool) if cfg.speculative is not None else None
+        self.speculator = Speculator(cfg.speculative, lm) if cfg.speculative is not None else None
         if self.speculator is not None and sync_tokens is not None:
             raise ValueError("speculative decoding with sync_tokens (ranks generating together) is not supported")
         # by default on CUDA in 16-bit: fp32 routed experts run the reference loop, which reads expert counts on
-        # the host and so cannot be captured; nor can adapters' per-row updates. Drafted steps run eagerly (their
-        # rows are short chunks); a drafter that reads the target's hidden states needs every step eager (a
-        # replayed graph runs no hooks)
+        # the host and so cannot be captured; nor can adapters' per-row updates. A drafter that reads the target's
+        # hidden states needs every step eager (a replayed graph runs no hooks)
         graphs = (w.is_cuda and w.dtype != torch.float32 and not adapters) if cfg.use_cuda_graphs is None \
             else cfg.use_cuda_graphs
         graphs = graphs and not (self.speculator is not None and self.speculator.needs_taps)
         with torch.no_grad():
-            self.runner = ModelRunner(lm, self.pool, max_blocks, graphs, cfg.max_num_seqs, self.adapters)
+            verify_len = 1 + cfg.speculative.num_speculative_tokens if self.speculator is not None else 1
+            self.runner = ModelRunner(lm, self.pool, max_blocks, graphs, cfg.max_num_seqs, self.adapters, verify_len)
             if cfg.warmup:
                 self.runner.warmup(cfg.max_num_batched_tokens)
         self.model_id = model_id
@@ -243,10 +243,9 @@ class Engine:
         for c in chunks:
             c.seq.group.first_scheduled = c.seq.group.first_scheduled or now
         starts = [c.seq.num_computed for c in chunks]
-        saved = spec.save(chunks) if spec is not None else None
         rows, samplers, prompt_lp = logit_rows(chunks)
         with tapped(self.model, spec.needs_taps if spec is not None else ()) as found:
-            logits, exports = self.runner.run(chunks, rows, [self._media(c) for c in chunks])
+            logits, exports, verification = self.runner.run(chunks, rows, [self._media(c) for c in chunks])
         if self.on_launch is not None:
             self.on_launch()
         rows_lp = {id(seq): self._prompt_logprobs(seq, logits[row: row + n]) for (seq, row, n), _ in prompt_lp}
@@ -254,22 +253,23 @@ class Engine:
             self._snapshot_exports(chunks, exports, rows_lp)
         for c in chunks:
             c.seq.num_computed += c.num_tokens
+        verified, rejected = [], {}
+        if verification is not None:  # before any fork or snapshot reads a slot: commit the verifying ones
+            verified = spec.verify(logits, [(s, r) for s, r in samplers if s.draft is not None])
+            rejected = {seq: len(seq.draft_tokens) + 1 - len(tokens) for seq, tokens, _ in verified}
+            self.runner.commit(verification, rejected)
+            for seq, n in rejected.items():
+                seq.num_computed -= n  # the latents past the accepted tokens no longer count
+                seq.draft = None
         forks = [(seq, s) for seq, _ in samplers for s in self._fork(seq)]
         sampling = [(s, r) for seq, r in samplers for s in [seq, *(c for p, c in forks if p is seq)]]
-        plain = [(s, r) for s, r in sampling if s.draft is None]
-        drafted = [(s, r) for s, r in sampling if s.draft is not None]
+        plain = [(s, r) for s, r in sampling if s not in rejected]
         commits = []
         if plain:
             seqs = [s for s, _ in plain]
             tokens, logprobs = sample(take_rows(logits, [r for _, r in plain]), seqs, self.sync_tokens)
             commits += [(seq, [t], [lp]) for seq, t, lp in zip(seqs, tokens, logprobs)]
-        if drafted:
-            begin = {c.seq: start for c, start in zip(chunks, starts)}
-            for seq, tokens, logprobs in spec.verify(logits, drafted):
-                if len(tokens) <= len(seq.draft_tokens):  # a draft was rejected: the state of the accepted only
-                    spec.rollback(seq, saved, begin[seq])
-                seq.draft = None
-                commits.append((seq, tokens, logprobs))
+        commits += verified
         advanced: dict[str, RequestState] = {}
         first = time.monotonic()
         for seq, tokens, logprobs in commits:

@@ -4,15 +4,13 @@ verification of each drafted row, and the rollback that keeps the committed stat
 Legend: Lk KDA layers, N sequences verifying a draft this step, k draft tokens, V vocabulary, T packed tokens,
 n taps, D hidden.
 
-A sequence with a draft runs `[pending tokens, *draft]` as one short chunk (the pending tokens are its last
-committed token, and after a rejection the tokens re-fed below). `verify` picks the committed tokens. When every
-draft is accepted the state after the chunk is the committed one. Otherwise the KDA slot (recurrent state and conv
-tails) is restored from the copy taken before the forward, `num_computed` goes back to the chunk's start, and the
-accepted tokens become pending: the next step's row re-feeds them before its own draft. So the committed KDA
-state is always the state after committed tokens only, with one slot copy per drafted row and step (never one
-per draft token), and no second forward. MLA latents of rejected positions are dropped by the sequence length
-not advancing over them (the next step overwrites them). The cost of the rollback is the re-fed tokens' share of
-the next row.
+A sequence with a draft runs `[its pending token, *draft]` as one short chunk, and `verify` picks the committed
+tokens. The forward leaves the drafted rows' KDA slots as they were and saves their KDA inputs; once the
+committed tokens are known the runner's `commit` runs the delta rule again over just those (`KimiDeltaAttention.
+commit`), so the committed KDA state is always the state after committed tokens only: no state copy per draft
+token, no rollback, and nothing re-fed. MLA latents of rejected positions are dropped by the sequence length not
+advancing over them (the next step overwrites them). Steps whose rows are all short replay a CUDA graph with every
+row padded to 1 + k tokens (runner.py).
 
 Structured output speculates where its constraint can roll back (`GrammarConstraint`): before the forward the
 draft is walked through the grammar, cut at its first token the grammar refuses, and each verification row keeps
@@ -33,7 +31,6 @@ from kimik3.inference.engine.runner import take_rows
 from kimik3.inference.engine.sampler import processed, raw_logprobs
 from kimik3.inference.engine.scheduler import Chunk
 from kimik3.inference.spec import Draft, Proposer, SpecStats, SuffixProposer, verify
-from kimik3.model.state import StatePool
 
 
 def build_proposer(cfg: SpeculativeConfig, lm: nn.Module) -> Proposer:
@@ -66,8 +63,8 @@ class _Track:
 class Speculator:
     """Drafts for the running sequences, verifies them, rolls back the rejected ones. `stats` holds the counters."""
 
-    def __init__(self, cfg: SpeculativeConfig, lm: nn.Module, pool: StatePool):
-        self.k, self.pool = cfg.num_speculative_tokens, pool
+    def __init__(self, cfg: SpeculativeConfig, lm: nn.Module):
+        self.k = cfg.num_speculative_tokens
         self.proposer = build_proposer(cfg, lm)
         self.needs_taps = tuple(self.proposer.needs_taps)
         self.stats = SpecStats()
@@ -139,22 +136,6 @@ class Speculator:
         self.masks[seq] = masks
         return Draft(draft.tokens[:kept], None if draft.probs is None else draft.probs[:kept],
                      None if draft.confidence is None else draft.confidence[:kept])
-
-    def save(self, chunks: list[Chunk]) -> tuple[Tensor, Tensor, dict[Sequence, int]] | None:
-        """Copy the KDA slots of the drafted rows (before the forward): (recurrent, conv, row of each seq)."""
-        seqs = [c.seq for c in chunks if c.seq.draft is not None]
-        if not seqs:
-            return None
-        idx = torch.tensor([s.slot for s in seqs], device=self.pool.device)
-        return self.pool.recurrent[:, idx], self.pool.conv[:, :, idx], {s: i for i, s in enumerate(seqs)}
-
-    def rollback(self, seq: Sequence, saved: tuple[Tensor, Tensor, dict[Sequence, int]], start: int) -> None:
-        """Restore seq's KDA slot to its state before this step; its tokens from `start` are pending again."""
-        recurrent, conv, row = saved
-        i = row[seq]
-        self.pool.recurrent[:, seq.slot].copy_(recurrent[:, i])
-        self.pool.conv[:, :, seq.slot].copy_(conv[:, :, i])
-        seq.num_computed = start
 
     def verify(self, logits_MV: Tensor, items: list[tuple[Sequence, int]]
                ) -> list[tuple[Sequence, list[int], list[TokenLogprob | None]]]:
