@@ -15,6 +15,8 @@ Every speculative run is checked against the run without speculation, token for 
     PYTHONPATH=src:. python3 bench/bench_spec.py --cpu-demo  # the demo rows on the CPU
     PYTHONPATH=src:. python3 bench/bench_spec.py --slice-only  # device: the slice-12 rows alone
     PYTHONPATH=src:. python3 bench/bench_spec.py --paths-only  # device: the paths' logprobs vs a full forward
+    (device flags: --profile, the host and device time of the copy row's verification steps; --undamped, the
+    slice as `materialize` leaves it, without `damp`)
     PYTHONPATH=src:. python3 bench/bench_spec.py --smoke     # CPU check of this script at toy sizes
 """
 
@@ -27,7 +29,7 @@ import torch
 
 from bench.common import DEVICE, environment, smoke_config, sync, table, write_json
 from kimik3.inference import SamplingParams
-from kimik3.inference.engine import Engine, SpeculativeConfig
+from kimik3.inference.engine import Engine, Request, SpeculativeConfig
 from kimik3.inference.spec.oracle import OracleProposer, expected_accepted_length
 from kimik3.model import K3ForCausalLM
 
@@ -54,6 +56,54 @@ def timed(model, prompts, new: int, speculative=None, graphs: bool = False) -> t
     sync()
     dt = time.perf_counter() - t
     return [o.outputs[0].token_ids for o in outs], len(prompts) * new / dt, engine
+
+
+def damp(model, factor: float = 1 / 32) -> None:
+    """Scale every layer's output projections (attention, dense and shared MLPs, the routed experts' up-projection
+    out of the latent) by `factor`: the random slice's greedy successor then rests on the embedding's path through
+    the head, not on sums that bf16 kernels round differently (undamped, the slice's decode and prefill paths
+    differ from its full forward by up to ~0.9 nats: `path_rows`). Shapes, kernels and bytes are unchanged."""
+    ends = ("o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
+            "routed_expert_up_proj.weight")
+    for name, w in model.named_parameters():
+        if name.endswith(ends):
+            w.data.mul_(factor)
+
+
+def step_times(engine: Engine, prompts, new: int, profile: bool = False) -> dict:
+    """Median ms of the engine's verification and decode steps over one more run of the prompts (synchronised
+    around each step); `profile`: the host and device time of four verification steps, by op."""
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"steps-{i}", p, params))
+    times: dict[str, list[float]] = {"verify": [], "decode": []}
+    prof, profiled = None, 0
+    while engine.has_unfinished():
+        drafts = engine.speculator.stats.as_metrics()["spec_decode_num_drafts"]
+        if profile and prof is None and times["verify"]:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            prof = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        sync()
+        t = time.perf_counter()
+        engine.step()
+        sync()
+        ms = (time.perf_counter() - t) * 1e3
+        verified = engine.speculator.stats.as_metrics()["spec_decode_num_drafts"] > drafts
+        times["verify" if verified else "decode"].append(ms)
+        if prof is not None and profiled < 4:
+            profiled += verified
+            if profiled == 4 or not engine.has_unfinished():
+                prof.__exit__(None, None, None)
+                profiled = 4
+                print(f"-- profile: {profiled} engine steps with verification (host, then device)", flush=True)
+                for key in ("self_cpu_time_total", "self_device_time_total"):
+                    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60), flush=True)
+    med = lambda x: sorted(x)[len(x) // 2] if x else float("nan")  # noqa: E731
+    return {"verify_step_ms": med(times["verify"]), "decode_step_ms": med(times["decode"]),
+            "verify_steps": len(times["verify"]), "decode_steps": len(times["decode"])}
 
 
 def divergence(outs: list[list[int]], refs: list[list[int]], margins: list[list[float]] | None) -> str:
@@ -110,7 +160,7 @@ def demo_rows(s: dict, results: dict, rows: list) -> None:
         print(" | ".join(rows[-1]), flush=True)
 
 
-def slice_rows(model, s: dict, results: dict, rows: list, exact: bool) -> None:
+def slice_rows(model, s: dict, results: dict, rows: list, exact: bool, profile: bool = False) -> None:
     """The oracle and copy rows; `exact`: the model runs the reference ops (CPU), so speculation must not change a
     token (on the GPU's bf16 kernels the rows report where it first does, and how close a call that was)."""
     V, k, new, graphs = model.config.vocab_size, s["k"], s["new"], DEVICE.type == "cuda"
@@ -126,6 +176,8 @@ def slice_rows(model, s: dict, results: dict, rows: list, exact: bool) -> None:
             r = results[f"oracle B={B} p={p}"] = dict(accepted_length=acc, expected=expected_accepted_length(p, k),
                                                        tokens_per_s=on, tokens_per_s_off=off, speedup=on / off)
             check(f"oracle B={B} p={p}", out, ref, gaps, exact, r)
+            r.update(step_times(engine, prompts, new))
+            print(f"oracle B={B} p={p} steps: {r}", flush=True)
             rows.append([f"oracle B={B} p={p}", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x",
                          r["greedy_vs_off"]])
             print(" | ".join(rows[-1]), flush=True)
@@ -143,6 +195,8 @@ def slice_rows(model, s: dict, results: dict, rows: list, exact: bool) -> None:
     r = results["copy suffix B=1"] = dict(accepted_length=acc, tokens_per_s=on, tokens_per_s_off=off,
                                           speedup=on / off)
     check("copy suffix B=1", out, ref, None if exact else top2_gaps(model, [prompt], new, graphs), exact, r)
+    r.update(step_times(engine, [prompt], new, profile=profile))
+    print(f"copy suffix B=1 steps: {r}", flush=True)
     rows.append(["copy suffix B=1", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x", r["greedy_vs_off"]])
     print(" | ".join(rows[-1]), flush=True)
 
@@ -181,7 +235,8 @@ def path_rows(model, results: dict, rows: list, new: int = 24, k: int = 7) -> No
 
 
 @torch.no_grad()
-def main(mode: str, slice_only: bool = False, paths_only: bool = False) -> None:
+def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile: bool = False,
+         undamped: bool = False) -> None:
     s = SIZES[mode]
     results, rows = {}, []
     if mode != "smoke" and not slice_only:
@@ -193,15 +248,19 @@ def main(mode: str, slice_only: bool = False, paths_only: bool = False) -> None:
         with torch.device("meta"):
             model = K3ForCausalLM(load_config("slice-12").text, torch.bfloat16)
         model = materialize(model).eval()
+        if not undamped:
+            damp(model)
+        results["damped"] = not undamped
         results["experts"] = experts_backend_of(model)  # Humming's layout where it runs, as `kimik3 serve` does
-        print(f"slice-12 experts: {results['experts']}", flush=True)
+        print(f"slice-12 experts: {results['experts']}, damped: {not undamped}", flush=True)
         path_rows(model, results, rows)
         if not paths_only:
-            slice_rows(model, s, results, rows, exact=DEVICE.type != "cuda")
+            slice_rows(model, s, results, rows, exact=DEVICE.type != "cuda", profile=profile)
     elif mode == "smoke":
         model = K3ForCausalLM(smoke_config("slice-12").text, torch.float32).init_weights(0).eval()
+        damp(model)
         path_rows(model, results, rows, new=8, k=3)
-        slice_rows(model, s, results, rows, exact=True)
+        slice_rows(model, s, results, rows, exact=True, profile=profile)
     table(f"speculative decoding ({mode})", ["row", "accepted length", "tok/s off", "tok/s on", "speedup",
                                              "greedy vs off"], rows)
     write_json("bench_spec", {"mode": mode, "sizes": s, "env": environment(), "results": results})
@@ -211,5 +270,7 @@ if __name__ == "__main__":
     flags = sys.argv[1:]
     paths_only = "--paths-only" in flags  # the device's logprob comparison of the paths alone
     slice_only = paths_only or "--slice-only" in flags  # the device's slice-12 rows alone (the demo rows take minutes)
-    flag = next((f for f in flags if f not in ("--slice-only", "--paths-only")), "")
-    main({"--smoke": "smoke", "--cpu-demo": "cpu-demo", "": "device"}[flag], slice_only, paths_only)
+    options = ("--slice-only", "--paths-only", "--profile", "--undamped")
+    flag = next((f for f in flags if f not in options), "")
+    main({"--smoke": "smoke", "--cpu-demo": "cpu-demo", "": "device"}[flag], slice_only, paths_only,
+         "--profile" in flags, "--undamped" in flags)

@@ -1,6 +1,6 @@
 """The demo model with its shipped drafter and with suffix decoding, in the engine: greedy == no speculation, token
-for token, at batch 1 and 3; the drafter is accepted; a prefix-cache hit (no taps for the restored prefix) only
-turns the drafter off for that request."""
+for token, at batch 1 and 3; the drafter is accepted; after a prefix-cache hit (no taps for the restored prefix) the
+drafter resumes from its own record of the earlier sequence, and without one is off for that request."""
 
 import pytest
 import torch
@@ -44,7 +44,7 @@ def test_demo_greedy_equals_non_speculative(demo, method):
         assert alone.speculator.stats.mean_accepted_length > 1.5
 
 
-def test_drafter_after_a_prefix_hit_stays_exact(demo):
+def test_drafter_after_a_prefix_hit_stays_exact_and_drafts(demo):
     lm, prompts = demo
     params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
     long = prompts[2] * 3  # past the 64-token grid: its second run restores a snapshot
@@ -54,7 +54,16 @@ def test_drafter_after_a_prefix_hit_stays_exact(demo):
     drafts = engine.stats["spec_decode_num_drafts"]
     again = engine.generate([long], params)
     assert again[0].cached_tokens > 0 and first == _ids(again) == ref
-    assert engine.stats["spec_decode_num_drafts"] == drafts  # no taps of the restored prefix: no drafts
+    # the drafter resumes from its context of the first run (the target never computed the restored prefix)
+    assert engine.stats["spec_decode_num_drafts"] > drafts
+    # a restored prefix it holds no record of: exact, and no drafts for that request
+    warm = _engine(lm, speculative=METHODS["draft"])
+    warm.speculator.proposer.keep_bytes = 0  # keeps no finished sequence's context
+    warm.generate([long], params)
+    drafts = warm.stats["spec_decode_num_drafts"]
+    again = warm.generate([long], params)
+    assert again[0].cached_tokens > 0 and _ids(again) == ref
+    assert warm.stats["spec_decode_num_drafts"] == drafts
 
 
 def test_json_schema_output_with_speculation_equals_without(demo):

@@ -97,7 +97,7 @@ class Scheduler:
         want = [p for p in range((start // GRID + 1) * GRID, end + 1, GRID)
                 if p % self.snapshot_interval == 0 or p == last]
         # inside a chunk only its own 64-token boundaries hold a state (all of them when it starts on the grid);
-        # never past the committed tokens (a draft position's state may be rolled back)
+        # never past the committed tokens (a draft position's state is not kept)
         want = [p for p in want if (p == end or (self.interior_snapshots and (p - start) % GRID == 0))
                 and p <= len(seq.tokens)]
         return [p - start for p in want]

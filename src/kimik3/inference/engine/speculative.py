@@ -1,5 +1,5 @@
 """Speculative decoding inside the engine (docs/speculative.md, steps 1-4): proposals before scheduling,
-verification of each drafted row, and the rollback that keeps the committed state exact.
+verification of each drafted row (the runner's `commit` then keeps the committed KDA state exact).
 
 Legend: Lk KDA layers, N sequences verifying a draft this step, k draft tokens, V vocabulary, T packed tokens,
 n taps, D hidden.
@@ -57,7 +57,9 @@ class _Track:
     observed: int = 0
     tapped: int = 0  # positions [0, tapped) have had their taps recorded
     taps: list[Tensor] = field(default_factory=list)
-    broken: bool = False  # a position was never computed here (prefix-cache hit): a drafter that reads taps can't
+    # a position was never computed here (a prefix-cache hit the proposer holds no record of): a drafter that reads
+    # taps can't draft for it
+    broken: bool = False
 
 
 class Speculator:
@@ -172,8 +174,12 @@ class Speculator:
             seq = c.seq
             t = self._track(seq)
             lo, hi = max(start, t.tapped), min(start + c.num_tokens, len(seq.tokens) - 1)
-            if start > t.tapped:
-                t.broken = True
+            if start > t.tapped and not t.broken:  # restored from the prefix cache: the proposer's own record?
+                resume = getattr(self.proposer, "resume", None)
+                if resume is not None and t.tapped == 0 and resume(t.id, seq.tokens[:start]) == start:
+                    t.tapped = start
+                else:
+                    t.broken = True
             if not t.broken and hi > lo:
                 t.taps.append(hidden[row + lo - start: row + hi - start])
                 t.tapped = hi

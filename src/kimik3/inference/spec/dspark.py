@@ -10,6 +10,7 @@ costs the new rows' projection plus one backbone pass over S slots, never a pass
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -76,22 +77,44 @@ class DSparkProposer:
             False drafts the argmax (q one-hot, `Draft.probs` None): the choice for greedy targets.
         min_confidence: stop drafting once the product of the confidence head's probabilities falls below it
             (0: always draft k; the first draft token is always proposed).
+        keep_bytes: how much context of finished sequences is kept (least recently used first out), so that a
+            sequence restored from the prefix cache, whose prefix the target never computed again, still drafts
+            (`resume`).
     """
 
     def __init__(self, drafter: DSparkDrafter, target: nn.Module, *, sample: bool = False, temperature: float = 1.0,
-                 min_confidence: float = 0.0, generator: torch.Generator | None = None):
+                 min_confidence: float = 0.0, generator: torch.Generator | None = None, keep_bytes: int = 256 << 20):
         check_target(drafter.config, target.config)
         self.drafter, self.embed, self.lm_head = drafter, target.model.embed_tokens, target.lm_head
         self.needs_taps = drafter.config.target_layer_ids
         self.sample, self.temperature, self.min_confidence = sample, temperature, min_confidence
         self.generator = generator
         self.ctx: dict[int, Tensor] = {}
+        self.ids: dict[int, list[int]] = {}  # each sequence's tokens at its last `propose`
+        self.keep_bytes = keep_bytes
+        self.kept: OrderedDict[tuple[int, ...], Tensor] = OrderedDict()  # finished sequences' [C, D] contexts
 
     def observe(self, seq_id: int, tokens: list[int]) -> None:
         """Nothing to do: the context grows through the taps given to `propose`."""
 
     def finish(self, seq_id: int) -> None:
-        self.ctx.pop(seq_id, None)
+        ctx, ids = self.ctx.pop(seq_id, None), self.ids.pop(seq_id, None)
+        if ctx is None or not len(ctx) or ctx.nbytes > self.keep_bytes:
+            return
+        self.kept[tuple(ids[: len(ctx)])] = ctx
+        while sum(c.nbytes for c in self.kept.values()) > self.keep_bytes:
+            self.kept.popitem(last=False)
+
+    def resume(self, seq_id: int, ids: list[int]) -> int:
+        """A sequence restored from the prefix cache at `ids` (its target never computed those positions here):
+        returns how many of them it now holds context for: len(ids) when a kept sequence began with them, else 0."""
+        n, key = len(ids), tuple(ids)
+        for tokens, ctx in reversed(self.kept.items()):
+            if len(tokens) >= n and tokens[:n] == key:
+                self.kept.move_to_end(tokens)
+                self.ctx[seq_id] = ctx[:n].clone()
+                return n
+        return 0
 
     @torch.no_grad()
     def propose(self, seq_id: int, ids: list[int], k: int, taps: Tensor | None = None) -> Draft:
@@ -102,6 +125,7 @@ class DSparkProposer:
                 at the first); afterwards the sequence holds len(ids) - 1 context positions.
         """
         cfg, dev = self.drafter.config, self.lm_head.weight.device
+        self.ids[seq_id] = ids
         if taps is not None and len(taps):
             new = self.drafter.context(taps.to(dev)[None])[0]
             self.ctx[seq_id] = torch.cat([self.ctx[seq_id], new]) if seq_id in self.ctx else new

@@ -66,6 +66,11 @@ class Proposer(Protocol):
         """The sequence ended: free its per-sequence state (a proposer may keep its output for later requests)."""
         ...
 
+    # optional, for a proposer that reads taps: `resume(seq_id, ids) -> int`, called when a sequence starts from a
+    # prefix-cache hit at `ids` (positions whose taps the target never computes for it): how many of them the
+    # proposer holds context for from its own record of an earlier sequence (len(ids), or 0: it drafts nothing
+    # for that sequence)
+
 
 @dataclass
 class SpecStats:
