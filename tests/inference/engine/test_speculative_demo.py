@@ -10,6 +10,7 @@ from kimik3.inference.engine import Engine, SpeculativeConfig
 from kimik3.inference.sampling import SamplingParams
 from kimik3.presets import DEMO_DRAFTER, DEMO_MODEL
 from kimik3.tokenizer import Tokenizer
+from tests.helpers import rel_err
 
 PROMPTS = ["ROMEO:\nO, she doth teach the torches to burn bright!", "KING HENRY:\nOnce more unto the breach,",
            "HAMLET:\nTo be, or not to be, that is the question:\nHAMLET:\nTo be, or not to be,"]
@@ -31,17 +32,35 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("method", ["draft", "suffix"])
-def test_demo_greedy_equals_non_speculative(demo, method):
+def _contexts(drafter) -> dict:
+    """The drafter's context of each sequence it has seen, running or finished, by its tokens."""
+    running = {tuple(drafter.ids[i][: len(c)]): c for i, c in drafter.ctx.items()}
+    return {**drafter.kept, **running}
+
+
+@pytest.mark.parametrize("method,graphs", [("draft", False), ("draft", True), ("suffix", False)])
+def test_demo_greedy_equals_non_speculative(demo, method, graphs):
+    """graphs=True: the graphs' static steps (run eagerly on the CPU) hand the drafter the taps they recorded."""
     lm, prompts = demo
     params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     ref = _ids(_engine(lm).generate(prompts, params))
-    together = _engine(lm, speculative=METHODS[method])
+    together = _engine(lm, speculative=METHODS[method], use_cuda_graphs=graphs)
     assert _ids(together.generate(prompts, params)) == ref  # batch 3
-    alone = _engine(lm, speculative=METHODS[method])
+    if method == "draft" and graphs:  # the drafter read the same taps as from eager steps, rows of every length
+        runs = [_engine(lm, speculative=METHODS[method], use_cuda_graphs=g) for g in (True, False)]
+        for e in runs:
+            e.speculator.proposer.min_confidence = 0.6  # drafts of every length: padded graph rows
+            assert _ids(e.generate(prompts, params)) == ref
+        together, eager = runs
+        got, want = (_contexts(e.speculator.proposer) for e in (together, eager))
+        assert got.keys() == want.keys() and len(want) == 3
+        for key in want:
+            assert rel_err(got[key], want[key]) < 1e-5
+    alone = _engine(lm, speculative=METHODS[method], use_cuda_graphs=graphs)
     assert [_ids(alone.generate([p], params))[0] for p in prompts] == ref  # batch 1
     if method == "draft":
         assert alone.speculator.stats.mean_accepted_length > 1.5
+    assert any(L > 1 for _, _, L in alone.runner.graphs) == graphs
 
 
 def test_drafter_after_a_prefix_hit_stays_exact_and_drafts(demo):

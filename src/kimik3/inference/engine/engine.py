@@ -39,7 +39,6 @@ from kimik3.inference.engine.sampler import sample, token_logprobs
 from kimik3.inference.engine.scheduler import Chunk, Scheduler
 from kimik3.inference.engine.speculative import Speculator
 from kimik3.inference.sampling import SamplingParams
-from kimik3.inference.spec.taps import tapped
 from kimik3.lora.serving import attach_adapters
 from kimik3.model.state import SlotState, StatePool, state_specs
 from kimik3.ops.kda import supports_checkpoints
@@ -104,14 +103,13 @@ class Engine:
         if self.speculator is not None and sync_tokens is not None:
             raise ValueError("speculative decoding with sync_tokens (ranks generating together) is not supported")
         # by default on CUDA in 16-bit: fp32 routed experts run the reference loop, which reads expert counts on
-        # the host and so cannot be captured; nor can adapters' per-row updates. A drafter that reads the target's
-        # hidden states needs every step eager (a replayed graph runs no hooks)
+        # the host and so cannot be captured; nor can adapters' per-row updates
         graphs = (w.is_cuda and w.dtype != torch.float32 and not adapters) if cfg.use_cuda_graphs is None \
             else cfg.use_cuda_graphs
-        graphs = graphs and not (self.speculator is not None and self.speculator.needs_taps)
         with torch.no_grad():
             verify_len = 1 + cfg.speculative.num_speculative_tokens if self.speculator is not None else 1
-            self.runner = ModelRunner(lm, self.pool, max_blocks, graphs, cfg.max_num_seqs, self.adapters, verify_len)
+            self.runner = ModelRunner(lm, self.pool, max_blocks, graphs, cfg.max_num_seqs, self.adapters, verify_len,
+                                      self.speculator.needs_taps if self.speculator is not None else ())
             if cfg.warmup:
                 self.runner.warmup(cfg.max_num_batched_tokens)
         self.model_id = model_id
@@ -244,8 +242,8 @@ class Engine:
             c.seq.group.first_scheduled = c.seq.group.first_scheduled or now
         starts = [c.seq.num_computed for c in chunks]
         rows, samplers, prompt_lp = logit_rows(chunks)
-        with tapped(self.model, spec.needs_taps if spec is not None else ()) as found:
-            logits, exports, verification = self.runner.run(chunks, rows, [self._media(c) for c in chunks])
+        out = self.runner.run(chunks, rows, [self._media(c) for c in chunks])
+        logits, exports, verification = out.logits, out.exports, out.verification
         if self.on_launch is not None:
             self.on_launch()
         rows_lp = {id(seq): self._prompt_logprobs(seq, logits[row: row + n]) for (seq, row, n), _ in prompt_lp}
@@ -281,7 +279,7 @@ class Engine:
                     break
             advanced[seq.group.request.request_id] = seq.group
         if spec is not None and spec.needs_taps:
-            spec.record_taps(chunks, starts, found)
+            spec.record_taps(chunks, starts, out.taps)
             for parent, child in forks:
                 spec.fork(parent, child)
         return ended + [self._output(g) for g in advanced.values()]

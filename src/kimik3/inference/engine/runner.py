@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from kimik3.inference.engine.request import Sequence
 from kimik3.inference.engine.scheduler import Chunk
+from kimik3.inference.spec.taps import stack_taps, tapped
 from kimik3.lora.serving import ServedAdapters
 from kimik3.model.moe import warm_experts
 from kimik3.model.state import KDAView, StatePool
@@ -35,6 +36,18 @@ MIN_SPAN_BLOCKS = 16  # the smallest key span a graph is captured for (1,024 tok
 # the most rows a verification graph has: its saved KDA inputs take ~1.4 MB per row and KDA layer at K3's widths
 # (1 + k = 8 tokens), so larger verifying batches run eagerly (where speculation gains least)
 VERIFY_GRAPH_ROWS = 16
+
+
+@dataclass
+class StepOutput:
+    """A step's results: the logits [M, V] fp32 at the asked rows, the KDA states it exported (prefix snapshots),
+    what `ModelRunner.commit` needs when rows verified drafts, and the tapped layers' hidden states [T, n*D] of
+    its packed tokens when the runner taps any (a drafter's input)."""
+
+    logits: Tensor
+    exports: list | None = None
+    verification: Verification | None = None
+    taps: Tensor | None = None
 
 
 @dataclass
@@ -77,11 +90,14 @@ class BlockTable:
 
 class ModelRunner:
     """Runs the engine's steps. `verify_len` (1 + k, with speculative decoding) is the row length of the
-    verification graphs; 1 captures decode graphs only."""
+    verification graphs; 1 captures decode graphs only. `taps`: decoder layers whose residual stream each step
+    returns (`kimik3.inference.spec.taps`; a graph returns the hidden states its capture recorded)."""
 
     def __init__(self, model: nn.Module, pool: StatePool, max_blocks: int, use_cuda_graphs: bool,
-                 max_num_seqs: int, adapters: ServedAdapters | None = None, verify_len: int = 1):
+                 max_num_seqs: int, adapters: ServedAdapters | None = None, verify_len: int = 1,
+                 taps: tuple[int, ...] = ()):
         self.model, self.pool, self.max_blocks, self.adapters = model, pool, max_blocks, adapters
+        self.taps = taps
         self.device = next(model.parameters()).device
         self.table = BlockTable(pool, max_blocks)
         self.sizes = sorted({n for n in GRAPH_BUCKETS if n < max_num_seqs} | {max_num_seqs})
@@ -129,11 +145,9 @@ class ModelRunner:
                                     for _ in self.kda]
         return [tuple(t[:rows] for t in layer) for layer in self._verify_buffers]
 
-    def run(self, chunks: list[Chunk], logit_rows: list[int], media: list | None = None
-            ) -> tuple[Tensor, list | None, Verification | None]:
-        """Run the chunks; returns (logits [M, V] fp32 at packed rows `logit_rows`, the step's KDA exports, and
-        for a step with drafts what `commit` needs). `media[i]`: None, or (rows of chunk i, their [n, D]
-        embeddings) spliced over the token embeddings."""
+    def run(self, chunks: list[Chunk], logit_rows: list[int], media: list | None = None) -> StepOutput:
+        """Run the chunks; the logits are those of packed rows `logit_rows`. `media[i]`: None, or (rows of chunk
+        i, their [n, D] embeddings) spliced over the token embeddings."""
         lens = [c.num_tokens for c in chunks]
         exports = [c.exports for c in chunks] if any(c.exports for c in chunks) else None
         images = media is not None and any(m is not None for m in media)
@@ -149,15 +163,13 @@ class ModelRunner:
                                         for c in chunks))
             g = self.graph(rows, span, L)
             logits = g(chunks)
+            # packed row r of chunk i is row i * L + (r - its start) of the graph's padded rows
+            padded = [i * L + j for i, n in enumerate(lens) for j in range(n)]
+            taps = take_rows(stack_taps(g.found)[0], padded) if self.taps else None
             if L == 1:
-                return take_rows(logits, logit_rows), None, None
-            starts = [0]
-            for n in lens:
-                starts.append(starts[-1] + n)
-            chunk_of = [i for i, n in enumerate(lens) for _ in range(n)]
-            padded = [chunk_of[r] * L + r - starts[chunk_of[r]] for r in logit_rows]
-            return take_rows(logits, padded), None, Verification([c.seq for c in chunks], lens, g.step.verify,
-                                                                 g.slots)
+                return StepOutput(take_rows(logits, logit_rows), taps=taps)
+            return StepOutput(take_rows(logits, [padded[r] for r in logit_rows]), None,
+                              Verification([c.seq for c in chunks], lens, g.step.verify, g.slots), taps)
         ids = torch.tensor([t for c in chunks for t in c.seq.row_tokens(c.num_tokens)])
         step = build_step(slots=[c.seq.slot for c in chunks], cached=[c.seq.num_computed for c in chunks],
                           lens=lens, tables=[c.seq.blocks for c in chunks], block_size=Bs,
@@ -172,14 +184,15 @@ class ModelRunner:
                 if m is not None:
                     embeds[0, [start + r for r in m[0]]] = m[1].to(embeds.dtype)
                 start += c.num_tokens
-        with self._adapter_rows(chunks):
+        with self._adapter_rows(chunks), tapped(self.model, self.taps) as found:
             logits = self.model(ids, state=self.pool, step=step, inputs_embeds=embeds,
                                 logits_at=torch.tensor(logit_rows, dtype=torch.long, device=self.device))[0]
         verification = None
         if verify:
             verification = Verification([chunks[i].seq for i in verify], [lens[i] for i in verify], step.verify,
                                         step.slots[step.verify.seqs])
-        return logits.float(), step.kda_exports, verification
+        return StepOutput(logits.float(), step.kda_exports, verification,
+                          stack_taps(found)[0] if self.taps else None)
 
     def commit(self, v: Verification, rejected: dict[Sequence, int]) -> None:
         """Write each verifying sequence's KDA slot for the tokens of its row it keeps: all of them but its
@@ -261,6 +274,7 @@ class _StepGraph:
             self.logits = self._forward()
 
     def _forward(self) -> Tensor:
+        """The static step; the tapped hidden states into `found` (under a graph, tensors each replay refills)."""
         r = self.runner
         self.step = uniform_step(self.slots, self.cached, r.table.table[self.slots, : self.span],
                                  row_len=self.row_len, block_size=r.pool.block_size,
@@ -268,7 +282,8 @@ class _StepGraph:
                                  pad_block=r.pool.scratch_block)
         if self.step.verify is not None:
             self.step.verify.buffers = r.verify_buffers(self.rows)
-        return r.model(self.ids, state=r.pool, step=self.step)[0].float()
+        with tapped(r.model, r.taps) as self.found:
+            return r.model(self.ids, state=r.pool, step=self.step)[0].float()
 
     def __call__(self, chunks: list[Chunk]) -> Tensor:
         pad, L = self.rows - len(chunks), self.row_len

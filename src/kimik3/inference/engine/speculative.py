@@ -166,9 +166,8 @@ class Speculator:
             i += k + 1
         return out
 
-    def record_taps(self, chunks: list[Chunk], starts: list[int], found: list[Tensor | None]) -> None:
-        """Keep the taps of the positions this step computed and committed (never a rejected draft's)."""
-        hidden = torch.cat(found, dim=-1)[0]  # [T, n*D]
+    def record_taps(self, chunks: list[Chunk], starts: list[int], hidden: Tensor) -> None:
+        """Keep the taps [T, n*D] of the positions this step computed and committed (never a rejected draft's)."""
         row = 0
         for c, start in zip(chunks, starts):
             seq = c.seq
