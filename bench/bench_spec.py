@@ -15,8 +15,7 @@ Every speculative run is checked against the run without speculation, token for 
     PYTHONPATH=src:. python3 bench/bench_spec.py --cpu-demo  # the demo rows on the CPU
     PYTHONPATH=src:. python3 bench/bench_spec.py --slice-only  # device: the slice-12 rows alone
     PYTHONPATH=src:. python3 bench/bench_spec.py --paths-only  # device: the paths' logprobs vs a full forward
-    (device flags: --profile, the host and device time of the copy row's verification steps; --undamped, the
-    slice as `materialize` leaves it, without `damp`)
+    (device flag --profile: the host and device time of the copy row's verification steps)
     PYTHONPATH=src:. python3 bench/bench_spec.py --smoke     # CPU check of this script at toy sizes
 """
 
@@ -40,7 +39,8 @@ DEMO_PROMPTS = ["KING RICHARD III:\nNow is the winter of our discontent", "PORTI
                 "MACBETH:\nTo-morrow, and to-morrow, and to-morrow,", "PROSPERO:\nOur revels now are ended."]
 
 
-def timed(model, prompts, new: int, speculative=None, graphs: bool = False) -> tuple[list[list[int]], float, Engine]:
+def timed(model, prompts, new: int, speculative=None, graphs: bool | None = False
+          ) -> tuple[list[list[int]], float, Engine]:
     """(greedy outputs, tokens/s, the engine) for the prompts run together."""
     engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
                     max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
@@ -58,18 +58,6 @@ def timed(model, prompts, new: int, speculative=None, graphs: bool = False) -> t
     return [o.outputs[0].token_ids for o in outs], len(prompts) * new / dt, engine
 
 
-def damp(model, factor: float = 1 / 32) -> None:
-    """Scale every layer's output projections (attention, dense and shared MLPs, the routed experts' up-projection
-    out of the latent) by `factor`: the random slice's greedy successor then rests on the embedding's path through
-    the head, not on sums that bf16 kernels round differently (undamped, the slice's decode and prefill paths
-    differ from its full forward by up to ~0.9 nats: `path_rows`). Shapes, kernels and bytes are unchanged."""
-    ends = ("o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
-            "routed_expert_up_proj.weight")
-    for name, w in model.named_parameters():
-        if name.endswith(ends):
-            w.data.mul_(factor)
-
-
 def step_times(engine: Engine, prompts, new: int, profile: bool = False) -> dict:
     """Median ms of the engine's verification and decode steps over one more run of the prompts (synchronised
     around each step); `profile`: the host and device time of four verification steps, by op."""
@@ -77,6 +65,26 @@ def step_times(engine: Engine, prompts, new: int, profile: bool = False) -> dict
     for i, p in enumerate(prompts):
         engine.add_request(Request(f"steps-{i}", p, params))
     times: dict[str, list[float]] = {"verify": [], "decode": []}
+    parts: dict[str, float] = {"forward": 0.0, "verify": 0.0, "commit": 0.0}
+
+    def timing(obj, name: str, part: str):  # the wrapped call, synchronised, its ms summed into parts[part]
+        real = getattr(obj, name)
+
+        def call(*args, **kw):
+            sync()
+            t0 = time.perf_counter()
+            out = real(*args, **kw)
+            sync()
+            parts[part] += (time.perf_counter() - t0) * 1e3
+            return out
+        setattr(obj, name, call)
+        return real
+
+    runner, spec = engine.runner, engine.speculator
+    originals = [(runner, "run", timing(runner, "run", "forward")),
+                 (runner, "commit", timing(runner, "commit", "commit")),
+                 (spec, "verify", timing(spec, "verify", "verify"))]
+    split: dict[str, float] = {}
     prof, profiled = None, 0
     while engine.has_unfinished():
         drafts = engine.speculator.stats.as_metrics()["spec_decode_num_drafts"]
@@ -93,6 +101,11 @@ def step_times(engine: Engine, prompts, new: int, profile: bool = False) -> dict
         ms = (time.perf_counter() - t) * 1e3
         verified = engine.speculator.stats.as_metrics()["spec_decode_num_drafts"] > drafts
         times["verify" if verified else "decode"].append(ms)
+        if verified and len(times["verify"]) > 1:  # the first verification step's parts: not counted (warm-up)
+            for key, v in parts.items():
+                split[key] = split.get(key, 0.0) + v
+            split["step"] = split.get("step", 0.0) + ms
+        parts.update(dict.fromkeys(parts, 0.0))
         if prof is not None and profiled < 4:
             profiled += verified
             if profiled == 4 or not engine.has_unfinished():
@@ -101,9 +114,30 @@ def step_times(engine: Engine, prompts, new: int, profile: bool = False) -> dict
                 print(f"-- profile: {profiled} engine steps with verification (host, then device)", flush=True)
                 for key in ("self_cpu_time_total", "self_device_time_total"):
                     print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60), flush=True)
+    for obj, name, real in originals:
+        setattr(obj, name, real)
+    # the captured graphs alone (their inputs as the last step left them): device time with no host work between
+    replay = {}
+    graphs = [(f"step rows={r} span={sp} row_len={L}", g.graph) for (r, sp, L), g in runner.graphs.items()
+              if r == min(b for b in runner.sizes if b >= len(prompts))]
+    graphs += [(f"commit rows={r}", g.graph) for r, g in runner.commit_graphs.items()
+               if r == min(b for b in runner.verify_sizes if b >= len(prompts))]
+    for name, graph in graphs:
+        if graph is None:
+            continue
+        sync()
+        t = time.perf_counter()
+        for _ in range(20):
+            graph.replay()
+        sync()
+        replay[name] = (time.perf_counter() - t) * 1e3 / 20
     med = lambda x: sorted(x)[len(x) // 2] if x else float("nan")  # noqa: E731
+    n = max(len(times["verify"]) - 1, 1)
+    # mean ms of a verification step's parts (forward: the runner's run; verify: the acceptance on the host;
+    # commit: the KDA commit; step: the whole engine step), each synchronised on its own (so they add up)
     return {"verify_step_ms": med(times["verify"]), "decode_step_ms": med(times["decode"]),
-            "verify_steps": len(times["verify"]), "decode_steps": len(times["decode"])}
+            "verify_steps": len(times["verify"]), "decode_steps": len(times["decode"]),
+            "verify_step_parts_ms": {k: v / n for k, v in split.items()}, "graph_replay_ms": replay}
 
 
 def divergence(outs: list[list[int]], refs: list[list[int]], margins: list[list[float]] | None) -> str:
@@ -146,7 +180,7 @@ def demo_rows(s: dict, results: dict, rows: list) -> None:
     lm = load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True, device=DEVICE).language_model.eval()
     tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
     prompts = [tok.encode(p) for p in DEMO_PROMPTS]
-    new, graphs = s["demo_new"], DEVICE.type == "cuda"  # as `kimik3 generate` runs it
+    new, graphs = s["demo_new"], None  # as `kimik3 generate` runs it: the engine's default (fp32: no graphs)
     base = [timed(lm, [p], new, graphs=graphs) for p in prompts]
     off = sum(b[1] for b in base) / len(base)
     for name, cfg in (("draft", SpeculativeConfig("draft", str(DEMO_DRAFTER), 7)),
@@ -160,6 +194,28 @@ def demo_rows(s: dict, results: dict, rows: list) -> None:
         print(" | ".join(rows[-1]), flush=True)
 
 
+def fixed_point(model, prompts, new: int, ref: list[list[int]], p: float, k: int, graphs: bool,
+                max_passes: int = 24) -> tuple[list[list[int]], int]:
+    """The continuation the oracle drafts from: the speculative run's own greedy output, not the run without
+    speculation's. On bf16 kernels a verification step's rows sum differently from decode's, and near a tie of the
+    random slice that picks another token (the paths row measures how far the paths are apart); an oracle drafting
+    the other run's tokens then drafts nothing from there on. So: run with the oracle on `ref`, make its output the
+    reference, again, until the output is its reference (the passes agree on a longer prefix each time: the
+    same drafts, rows and kernels up to where they first differ). Returns (that reference, passes)."""
+    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
+                    max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
+                    use_cuda_graphs=graphs, speculative=SpeculativeConfig(OracleProposer([], p, 1), None, k))
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    V = model.config.vocab_size
+    for n in range(1, max_passes + 1):
+        engine.speculator.proposer = OracleProposer([q + r for q, r in zip(prompts, ref)], p, V, seed=1)
+        out = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+        if out == ref:
+            return ref, n
+        ref = out
+    return ref, max_passes
+
+
 def slice_rows(model, s: dict, results: dict, rows: list, exact: bool, profile: bool = False) -> None:
     """The oracle and copy rows; `exact`: the model runs the reference ops (CPU), so speculation must not change a
     token (on the GPU's bf16 kernels the rows report where it first does, and how close a call that was)."""
@@ -170,16 +226,19 @@ def slice_rows(model, s: dict, results: dict, rows: list, exact: bool, profile: 
         ref, off, _ = timed(model, prompts, new, graphs=graphs)
         gaps = None if exact else top2_gaps(model, prompts, new, graphs)
         for p in s["ps"]:
-            proposer = OracleProposer([q + r for q, r in zip(prompts, ref)], p, V, seed=1)
+            target, passes = fixed_point(model, prompts, new, ref, p, k, graphs)
+            proposer = OracleProposer([q + r for q, r in zip(prompts, target)], p, V, seed=1)
             out, on, engine = timed(model, prompts, new, SpeculativeConfig(proposer, None, k), graphs)
             acc = engine.speculator.stats.mean_accepted_length
             r = results[f"oracle B={B} p={p}"] = dict(accepted_length=acc, expected=expected_accepted_length(p, k),
-                                                       tokens_per_s=on, tokens_per_s_off=off, speedup=on / off)
+                                                       tokens_per_s=on, tokens_per_s_off=off, speedup=on / off,
+                                                       fixed_point_passes=passes,
+                                                       vs_its_reference=divergence(out, target, None))
             check(f"oracle B={B} p={p}", out, ref, gaps, exact, r)
             r.update(step_times(engine, prompts, new))
             print(f"oracle B={B} p={p} steps: {r}", flush=True)
             rows.append([f"oracle B={B} p={p}", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x",
-                         r["greedy_vs_off"]])
+                         f"{r['greedy_vs_off']}; oracle's reference: {r['vs_its_reference']} ({passes} passes)"])
             print(" | ".join(rows[-1]), flush=True)
     # copy workload: random weights never copy by themselves, so the text copied is the target's own greedy
     # continuation: prompt = x + y + x with y = greedy(x) (one fixed-point round: y = greedy of that prompt), so
@@ -235,8 +294,7 @@ def path_rows(model, results: dict, rows: list, new: int = 24, k: int = 7) -> No
 
 
 @torch.no_grad()
-def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile: bool = False,
-         undamped: bool = False) -> None:
+def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile: bool = False) -> None:
     s = SIZES[mode]
     results, rows = {}, []
     if mode != "smoke" and not slice_only:
@@ -248,17 +306,13 @@ def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile:
         with torch.device("meta"):
             model = K3ForCausalLM(load_config("slice-12").text, torch.bfloat16)
         model = materialize(model).eval()
-        if not undamped:
-            damp(model)
-        results["damped"] = not undamped
         results["experts"] = experts_backend_of(model)  # Humming's layout where it runs, as `kimik3 serve` does
-        print(f"slice-12 experts: {results['experts']}, damped: {not undamped}", flush=True)
+        print(f"slice-12 experts: {results['experts']}", flush=True)
         path_rows(model, results, rows)
         if not paths_only:
             slice_rows(model, s, results, rows, exact=DEVICE.type != "cuda", profile=profile)
     elif mode == "smoke":
         model = K3ForCausalLM(smoke_config("slice-12").text, torch.float32).init_weights(0).eval()
-        damp(model)
         path_rows(model, results, rows, new=8, k=3)
         slice_rows(model, s, results, rows, exact=True, profile=profile)
     table(f"speculative decoding ({mode})", ["row", "accepted length", "tok/s off", "tok/s on", "speedup",
@@ -270,7 +324,7 @@ if __name__ == "__main__":
     flags = sys.argv[1:]
     paths_only = "--paths-only" in flags  # the device's logprob comparison of the paths alone
     slice_only = paths_only or "--slice-only" in flags  # the device's slice-12 rows alone (the demo rows take minutes)
-    options = ("--slice-only", "--paths-only", "--profile", "--undamped")
+    options = ("--slice-only", "--paths-only", "--profile")
     flag = next((f for f in flags if f not in options), "")
     main({"--smoke": "smoke", "--cpu-demo": "cpu-demo", "": "device"}[flag], slice_only, paths_only,
-         "--profile" in flags, "--undamped" in flags)
+         "--profile" in flags)
