@@ -16,12 +16,15 @@ dtype): the memory that step needs. The ratios are LoRA / full on those numbers.
 
     PYTHONPATH=src:. python3 bench/bench_lora.py          # device: table + $OUT/bench_lora.json
     .venv/bin/python bench/bench_lora.py --smoke          # CPU: configs/tiny.json, T=128, rank 4, the same code path
+    ... --profile    # also: the LoRA step's kernels by device time and category, its aten ops by input shape, and
+                     # the full step's fwd+bwd by category (what an ideal LoRA step keeps: all but weight gradients)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
 import tempfile
@@ -35,7 +38,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch  # noqa: E402
 
-from bench.common import table, write_json  # noqa: E402
+from bench.common import kernel_category, sync, table, write_json  # noqa: E402
 from bench.train_parts import (  # noqa: E402
     GiB,
     Setup,
@@ -69,11 +72,58 @@ def log(msg: str) -> None:
     print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
 
 
+def profile(fn, title: str, device: torch.device, iters: int = 2, rows: int = 30, shapes: bool = True) -> dict:
+    """fn()'s kernels under torch.profiler (after one untimed call): per-call device ms by kernel (top `rows`), by
+    `bench.common.KERNEL_CATEGORIES` category, and (shapes) by aten op and input shapes, which tells the base
+    grouped GEMMs from the rank-R factor ones. Prints the three tables; returns the category and kernel sums."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    sync(device)
+    cuda = device.type == "cuda"
+    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                       record_shapes=shapes) as prof:
+        for _ in range(iters):
+            fn()
+        sync(device)
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    self_us = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    kernels: dict[str, tuple[float, float]] = {}
+    for e in prof.key_averages():
+        if (e.device_type == kind) if cuda else e.key.startswith("aten::"):  # the CPU smoke: ops, not kernels
+            ms, n = kernels.get(e.key, (0.0, 0.0))
+            kernels[e.key] = (ms + self_us(e) / 1e3 / iters, n + e.count / iters)
+    total = sum(ms for ms, _ in kernels.values()) or 1.0
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    table(f"-- profile: {title}, {total:.1f} device ms per call ({sum(n for _, n in kernels.values()):.0f} "
+          f"{'kernels' if cuda else 'ops'}), top {rows}", ["kernel", "calls", "ms", "share"],
+          [[k[:90], f"{n:.0f}", f"{ms:.2f}", f"{ms / total:.1%}"] for k, (ms, n) in top[:rows]])
+    cats: dict[str, float] = {}
+    for k, (ms, _) in kernels.items():
+        cats[kernel_category(k)] = cats.get(kernel_category(k), 0.0) + ms
+    table(f"-- by category: {title} (device ms per call)", ["category", "ms", "share"],
+          [[c, f"{ms:.2f}", f"{ms / total:.0%}"] for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])])
+    if shapes:
+        ops = [e for e in prof.key_averages(group_by_input_shape=True)
+               if e.key.startswith("aten::") and self_us(e) > 0]
+        ops.sort(key=lambda e: -self_us(e))
+        table(f"-- by aten op and input shapes: {title} (self device ms per call)", ["op", "input shapes", "calls",
+              "ms"], [[e.key, str(e.input_shapes)[:110], f"{e.count / iters:.0f}", f"{self_us(e) / 1e3 / iters:.2f}"]
+                      for e in ops[:rows]])
+    return {"device_ms": total, "categories": cats, "top": {k: ms for k, (ms, _) in top[:rows]}}
+
+
 def full_step(cfg, T: int, device: torch.device, args) -> dict:
     """Today's full fine-tuning step in bf16 (see the module docstring)."""
     s = build(cfg, "bf16", device, args.loss_chunk)
     weights = sum(p.numel() * p.element_size() for p in s.lm.parameters())
     fb = time_fwd_bwd(s, T, True, False, device, args.warmup, args.rep)
+    if args.profile and fb.get("error") is None:
+        batch = make_batch(s.lm.config.vocab_size, T, device, packed=True)
+        fb["profile"] = profile(functools.partial(fwd_bwd, s, batch, device), f"full FT bf16 fwd+bwd T={T}", device,
+                                shapes=False)
     opt = time_optimizer(s, T, device, args.warmup, args.rep, kinds=())
     release(s, device)
     del s
@@ -121,6 +171,8 @@ def lora_step(cfg, T: int, device: torch.device, args) -> dict:
         ms, err = attempt(lambda: time_ms(step, args.warmup, args.rep, device), device)
         out.update(ms=ms, peak_gib=peak_gib(device), error=err)
         out["finite_gradients"] = bool(all(p.grad is None or torch.isfinite(p.grad).all() for p in trainable))
+        if args.profile and err is None:
+            out["profile"] = profile(step, f"LoRA step r={args.rank} T={T}", device)
     opt.optimizers.clear()
     release(s, device)
     free(device)
@@ -138,6 +190,8 @@ def parse() -> argparse.Namespace:
                     help="the frozen non-expert weights (kimik3 train loads an fp32 base today)")
     ap.add_argument("--loss-chunk", type=int, default=1024)
     ap.add_argument("--skip-full", action="store_true", help="time the LoRA step only")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the LoRA step (kernels, categories, aten ops by shape) and the full fwd+bwd")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rep", type=int, default=6)
     args = ap.parse_args()

@@ -19,6 +19,7 @@ SEEN = {  # a kernel name as the profiler printed it on the H200: its category
     "_combine_kernel": "MoE W4A16 experts",
     "_sum_rows_kernel": "grouped expert GEMMs and their gathers",
     "_combine_backward_kernel": "grouped expert GEMMs and their gathers",
+    "_lowrank_add_kernel": "grouped expert GEMMs and their gathers",  # LoRA's rank-R products over the experts
     # torch._grouped_mm's CUTLASS kernel (bench_train's profile: the 54 aten::_grouped_mm calls' device time)
     "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_s...": "grouped expert GEMMs and their gathers",
     "nvjet_sm90_tst_128x8_64x12_4x1_v_bz_TNT": "dense GEMMs (cuBLAS)",
@@ -38,6 +39,7 @@ SEEN = {  # a kernel name as the profiler printed it on the H200: its category
     "_forward_kernel": "fused Triton (ours)",
     "_route_kernel": "fused Triton (ours)",
     "_decode_kernel": "fused Triton (ours)",
+    "_mxfp4_decode_kernel": "MXFP4 decode (transient expert weights)",
     "some_new_kernel": "other",
 }
 PROBE = """

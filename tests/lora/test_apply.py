@@ -12,7 +12,7 @@ from kimik3 import lora
 from kimik3.lora.layers import LoraExperts, LoraLinear
 from kimik3.model.moe import Experts, MXFP4Experts
 from kimik3.ops.mxfp4 import decode
-from tests.helpers import rel_err
+from tests.helpers import rel_err, requires_cuda
 from tests.lora.conftest import load_base, logits, randomize_adapter
 
 TARGETS = ["*.self_attn.q_proj", "*.self_attn.o_proj", "*.block_sparse_moe.experts", "*.shared_experts.*",
@@ -187,3 +187,25 @@ def test_attn_res_projections_are_refused(base_dir):
     for target in ("*.mlp_res_proj", "*.self_attention_res_proj", "*output_attn_res_proj"):
         with pytest.raises(ValueError, match="AttnRes reads its"):
             lora.apply(load_base(base_dir), lora.LoraConfig(targets=[target]))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_lora_linear_under_bf16_autocast_gpu():
+    """LoraLinear as the trainer runs it on CUDA (bf16 autocast; the update added into the base output in place):
+    output and gradients at bf16 level of the fp32 math y = x W^T + s (x A^T) B^T."""
+    gen = torch.Generator().manual_seed(0)
+    m = LoraLinear(torch.nn.Linear(256, 384, bias=False), rank=16, scale=2.0, dropout=0.0).cuda()
+    with torch.no_grad():
+        m.lora_B.copy_(torch.randn(384, 16, generator=gen) * 0.1)
+    x = torch.randn(2, 64, 256, generator=gen).cuda().requires_grad_()
+    dy = torch.randn(2, 64, 384, generator=gen).cuda()
+    with torch.autocast("cuda", torch.bfloat16):
+        y = m(x)
+    grads = torch.autograd.grad((y.float() * dy).sum(), (x, m.lora_A, m.lora_B))
+    xr, ar, br = (t.detach().clone().requires_grad_() for t in (x, m.lora_A, m.lora_B))
+    ref = xr @ m.weight.T + 2.0 * (xr @ ar.T) @ br.T
+    ref_grads = torch.autograd.grad((ref * dy).sum(), (xr, ar, br))
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape and rel_err(y.float(), ref) < 1e-2
+    for name, g, r in zip(("x", "A", "B"), grads, ref_grads):
+        assert rel_err(g.float(), r) < 1e-2, (name, rel_err(g.float(), r))

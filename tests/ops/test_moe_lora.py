@@ -13,7 +13,7 @@ import torch
 from kimik3.ops.moe import reference, routed_experts_mxfp4_lora
 from kimik3.ops.moe.lora import packed_linear
 from kimik3.ops.mxfp4 import decode
-from tests.helpers import needs_cuda_triton, needs_interpreter, rel_err
+from tests.helpers import needs_cuda_triton, needs_interpreter, patch_interpreter_index, rel_err
 from tests.ops.test_moe_fast import mx_experts, routing
 
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -33,7 +33,9 @@ def _factors(shared: dict[str, tuple[bool, bool]], gen, zero_b: bool = False):
 
 LAYOUTS = {"per_expert": dict.fromkeys(("w1", "w3", "w2"), (False, False)),
            "shared_outer": {"w1": (True, False), "w3": (True, False), "w2": (False, True)},
-           "shared": dict.fromkeys(("w1", "w3", "w2"), (True, True))}
+           "shared": dict.fromkeys(("w1", "w3", "w2"), (True, True)),
+           # no kimik3 layout: w1's and w3's A differ in shape, so the grouped path cannot stack them
+           "mixed": {"w1": (True, False), "w3": (False, True), "w2": (True, False)}}
 
 
 def test_packed_linear_dx_matches_dense_autograd():
@@ -132,6 +134,7 @@ def test_grouped_lora_matches_the_reference_loop_interpreter(layout, chunked, mo
     every gradient equal the per-expert loop to fp32 rounding, with the experts decoded whole or a chunk at a time."""
     from kimik3.ops.moe import lora, lora_grouped
 
+    patch_interpreter_index(monkeypatch)  # lowrank_add_ loops over the experts of its rows
     if chunked:  # two experts' decoded w1 per chunk: three chunks of 5 experts, one holding the empty expert 1
         monkeypatch.setattr(lora_grouped, "CHUNK_BYTES", 2 * F * L * 4)
     z, idx, tw, packed, scales, a, b, dout = _lora_case(layout, 4, torch.float32)
@@ -163,3 +166,43 @@ def test_grouped_lora_matches_the_reference_loop_gpu(layout):
     assert rel_err(out, ref) < 1e-2
     for name, g, r in zip(["z", "A1", "A3", "A2", "B1", "B3", "B2"], grads, ref_grads):
         assert rel_err(g, r) < 1e-2, (layout, name, rel_err(g, r))
+
+
+def _lowrank_case(dtype, device, shared: bool, K: int, gen):
+    M, N, E_ = 300, 200, 7
+    e_M = torch.sort(torch.randint(0, E_, (M,), generator=gen)).values
+    e_M[e_M == 3] = 4  # an expert with no rows
+    c = torch.randn(M, N, generator=gen).to(device, dtype)
+    t = torch.randn(M, K, generator=gen).to(device, dtype)
+    f = torch.randn(1 if shared else E_, N, K, generator=gen).to(device, dtype).transpose(-2, -1)  # strided, as B^T
+    return c, t, f, e_M.to(device)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("K", [8, 16, 32])
+def test_lowrank_add_matches_its_reference_interpreter(shared, K, monkeypatch):
+    """`lora_grouped.lowrank_add_` (the rank-R GEMM with its add fused, in place) under Triton's interpreter in fp32:
+    the per-expert loop's value to fp32 rounding, for per-expert and shared factors, ranks below and above 16."""
+    from kimik3.ops.moe import lora_grouped
+
+    patch_interpreter_index(monkeypatch)
+
+    c, t, f, e_M = _lowrank_case(torch.float32, "cpu", shared, K, torch.Generator().manual_seed(6))
+    ref = lora_grouped.lowrank_add_reference(c, t, f, e_M)
+    out = lora_grouped.lowrank_add_(c, t, f, e_M)
+    assert out is c and rel_err(out, ref) < 1e-6
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("shared", [False, True])
+def test_lowrank_add_matches_its_reference_gpu(shared):
+    """The same on CUDA in bf16 and fp32: fp32 sums rounded once, as the reference loop."""
+    from kimik3.ops.moe import lora_grouped
+
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-6)):
+        c, t, f, e_M = _lowrank_case(dtype, "cuda", shared, 32, torch.Generator().manual_seed(7))
+        ref = lora_grouped.lowrank_add_reference(c, t, f, e_M)
+        out = lora_grouped.lowrank_add_(c, t, f, e_M)
+        assert rel_err(out.float(), ref.float()) < tol, (dtype, rel_err(out.float(), ref.float()))

@@ -48,8 +48,12 @@ class LoraLinear(nn.Linear):
         _init_a(self.lora_A)
 
     def forward(self, x: Tensor) -> Tensor:
-        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        return super().forward(x) + (self.dropout(x) @ a.T @ b.T) * self.scale
+        # the scale on the [.., R] intermediate and the update added by the GEMM into the base output in place
+        # (addmm_, beta 1): no pass of its own over the [.., O] output, forward or backward
+        y = super().forward(x.reshape(-1, self.in_features))
+        t = (self.dropout(x).reshape(-1, self.in_features) @ self.lora_A.to(x.dtype).T) * self.scale
+        y.addmm_(t.to(y.dtype), self.lora_B.to(y.dtype).T)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def delta(self) -> Tensor:
         """scale * B A: [O, I] fp32, what merging adds to the weight."""

@@ -16,13 +16,15 @@ from torch import Tensor
 from kimik3.ops.moe.triton_mxfp4 import _decode, _decode_bf16
 from kimik3.ops.situ.triton import interpreting
 
-_BR, _BKH = 16, 128  # rows x packed bytes per program (P is a multiple of 16: whole scale groups)
+# rows x packed bytes per program (P is a multiple of 16: whole scale groups); on an H200 at K3's expert widths
+# 16 x 256 decodes 2.8 GB of bf16 in 0.99 ms (3.6 TB/s moved), 16 x 128 in 1.11 ms
+_BR, _BKH = 16, 256
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
-def _decode_kernel(p_ptr, s_ptr, out_ptr, R, P, BR: tl.constexpr, BKH: tl.constexpr, DTYPE: tl.constexpr,
-                   PTX_BF16: tl.constexpr):
+def _mxfp4_decode_kernel(p_ptr, s_ptr, out_ptr, R, P, BR: tl.constexpr, BKH: tl.constexpr,
+                         DTYPE: tl.constexpr, PTX_BF16: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     j = tl.program_id(1) * BKH + tl.arange(0, BKH)
     g = tl.program_id(1) * (BKH // 16) + tl.arange(0, BKH // 16)
@@ -46,6 +48,6 @@ def decode(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16) -
     R = packed.numel() // P if P else 0
     if R:
         grid = (triton.cdiv(R, _BR), triton.cdiv(P, _BKH))
-        _decode_kernel[grid](packed.contiguous(), scale.contiguous(), out, R, P, BR=_BR, BKH=_BKH,
-                             DTYPE=_DTYPES[dtype], PTX_BF16=dtype == torch.bfloat16 and not interpreting())
+        _mxfp4_decode_kernel[grid](packed.contiguous(), scale.contiguous(), out, R, P, BR=_BR, BKH=_BKH,
+                                   DTYPE=_DTYPES[dtype], PTX_BF16=dtype == torch.bfloat16 and not interpreting())
     return out
