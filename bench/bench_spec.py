@@ -15,12 +15,15 @@ Every speculative run is checked against the run without speculation, token for 
     PYTHONPATH=src:. python3 bench/bench_spec.py --cpu-demo  # the demo rows on the CPU
     PYTHONPATH=src:. python3 bench/bench_spec.py --slice-only  # device: the slice-12 rows alone
     PYTHONPATH=src:. python3 bench/bench_spec.py --paths-only  # device: the paths' logprobs vs a full forward
-    (device flag --profile: the host and device time of the copy row's verification steps)
+    (device flags: --profile, the host and device time of the copy row's verification steps; --replay-profile,
+    only the kernels of a verification graph beside a decode graph of as many tokens; --shared-only, only the
+    oracle row with every token routed to one expert set)
     PYTHONPATH=src:. python3 bench/bench_spec.py --smoke     # CPU check of this script at toy sizes
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -216,6 +219,41 @@ def fixed_point(model, prompts, new: int, ref: list[list[int]], p: float, k: int
     return ref, max_passes
 
 
+@contextlib.contextmanager
+def shared_routing(model):
+    """Within the block every MoE layer selects the same top-k experts for every token (a selection bias of 1e4 on
+    its first top_k experts; the bias only selects, the weights stay the scores')."""
+    gates = [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m.gate, "e_score_correction_bias")]
+    saved = [gate.e_score_correction_bias.clone() for gate in gates]
+    for gate in gates:
+        gate.e_score_correction_bias[: gate.top_k] += 1e4
+    try:
+        yield
+    finally:
+        for gate, bias in zip(gates, saved):
+            gate.e_score_correction_bias.copy_(bias)
+
+
+def oracle_row(model, name: str, prompts, s: dict, p: float, results: dict, rows: list, exact: bool) -> None:
+    """One oracle row: the run without speculation, the oracle's fixed point, the timed run and its steps."""
+    V, k, new, graphs = model.config.vocab_size, s["k"], s["new"], DEVICE.type == "cuda"
+    ref, off, _ = timed(model, prompts, new, graphs=graphs)
+    gaps = None if exact else top2_gaps(model, prompts, new, graphs)
+    target, passes = fixed_point(model, prompts, new, ref, p, k, graphs)
+    proposer = OracleProposer([q + r for q, r in zip(prompts, target)], p, V, seed=1)
+    out, on, engine = timed(model, prompts, new, SpeculativeConfig(proposer, None, k), graphs)
+    acc = engine.speculator.stats.mean_accepted_length
+    r = results[name] = dict(accepted_length=acc, expected=expected_accepted_length(p, k), tokens_per_s=on,
+                             tokens_per_s_off=off, speedup=on / off, fixed_point_passes=passes,
+                             vs_its_reference=divergence(out, target, None))
+    check(name, out, ref, gaps, exact, r)
+    r.update(step_times(engine, prompts, new))
+    print(f"{name} steps: {r}", flush=True)
+    rows.append([name, f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x",
+                 f"{r['greedy_vs_off']}; oracle's reference: {r['vs_its_reference']} ({passes} passes)"])
+    print(" | ".join(rows[-1]), flush=True)
+
+
 def slice_rows(model, s: dict, results: dict, rows: list, exact: bool, profile: bool = False) -> None:
     """The oracle and copy rows; `exact`: the model runs the reference ops (CPU), so speculation must not change a
     token (on the GPU's bf16 kernels the rows report where it first does, and how close a call that was)."""
@@ -223,23 +261,14 @@ def slice_rows(model, s: dict, results: dict, rows: list, exact: bool, profile: 
     g = torch.Generator().manual_seed(0)
     for B in s["batches"]:
         prompts = [torch.randint(0, min(V, 1000), (s["prompt"],), generator=g).tolist() for _ in range(B)]
-        ref, off, _ = timed(model, prompts, new, graphs=graphs)
-        gaps = None if exact else top2_gaps(model, prompts, new, graphs)
         for p in s["ps"]:
-            target, passes = fixed_point(model, prompts, new, ref, p, k, graphs)
-            proposer = OracleProposer([q + r for q, r in zip(prompts, target)], p, V, seed=1)
-            out, on, engine = timed(model, prompts, new, SpeculativeConfig(proposer, None, k), graphs)
-            acc = engine.speculator.stats.mean_accepted_length
-            r = results[f"oracle B={B} p={p}"] = dict(accepted_length=acc, expected=expected_accepted_length(p, k),
-                                                       tokens_per_s=on, tokens_per_s_off=off, speedup=on / off,
-                                                       fixed_point_passes=passes,
-                                                       vs_its_reference=divergence(out, target, None))
-            check(f"oracle B={B} p={p}", out, ref, gaps, exact, r)
-            r.update(step_times(engine, prompts, new))
-            print(f"oracle B={B} p={p} steps: {r}", flush=True)
-            rows.append([f"oracle B={B} p={p}", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x",
-                         f"{r['greedy_vs_off']}; oracle's reference: {r['vs_its_reference']} ({passes} passes)"])
-            print(" | ".join(rows[-1]), flush=True)
+            oracle_row(model, f"oracle B={B} p={p}", prompts, s, p, results, rows, exact)
+    # the same with every token routed to one expert set (the router's selection bias): a verified row then reads
+    # the experts a decode token reads, so the row measures the engine apart from the random routing's expert bytes
+    with shared_routing(model):
+        prompts = [torch.randint(0, min(V, 1000), (s["prompt"],), generator=g).tolist()]
+        oracle_row(model, f"oracle B=1 p={s['ps'][-1]}, one expert set", prompts, s, s["ps"][-1], results, rows,
+                   exact)
     # copy workload: random weights never copy by themselves, so the text copied is the target's own greedy
     # continuation: prompt = x + y + x with y = greedy(x) (one fixed-point round: y = greedy of that prompt), so
     # the output after the second x repeats what the prompt holds after the first, as far as the model's
@@ -293,8 +322,23 @@ def path_rows(model, results: dict, rows: list, new: int = 24, k: int = 7) -> No
         rows.append([f"|logprob - full forward|, {name}", f"{out[name]:.2e}", f"over {n} tokens", "", "", ""])
 
 
+def replay_profiles(model, prompt_len: int = 256, k: int = 7) -> None:
+    """The kernels of one verification graph (1 row of 1 + k tokens) beside the decode graph of as many tokens
+    (1 + k rows of 1), each replayed alone: where the verification step's extra device time goes."""
+    from bench.common import profile_top
+
+    prompts = [list(range(prompt_len))]
+    engine = Engine(model, max_num_seqs=k + 1, max_num_batched_tokens=512, max_model_len=prompt_len + 64,
+                    enable_prefix_cache=False, speculative=SpeculativeConfig("suffix", None, k))
+    engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    for (rows, span, L), g in sorted(engine.runner.graphs.items()):
+        if (rows, L) in ((1, k + 1), (k + 1, 1)) and g.graph is not None:
+            profile_top(g.graph.replay, f"graph replay: {rows} rows of {L} tokens, span {span} blocks", iters=10)
+
+
 @torch.no_grad()
-def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile: bool = False) -> None:
+def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile: bool = False,
+         replay_only: bool = False, shared_only: bool = False) -> None:
     s = SIZES[mode]
     results, rows = {}, []
     if mode != "smoke" and not slice_only:
@@ -308,6 +352,15 @@ def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile:
         model = materialize(model).eval()
         results["experts"] = experts_backend_of(model)  # Humming's layout where it runs, as `kimik3 serve` does
         print(f"slice-12 experts: {results['experts']}", flush=True)
+        if replay_only:
+            return replay_profiles(model)
+        if shared_only:  # the one-expert-set row alone, 64 new tokens
+            with shared_routing(model):
+                prompts = [torch.randint(0, 1000, (s["prompt"],), generator=torch.Generator().manual_seed(0)).tolist()]
+                oracle_row(model, "oracle B=1 p=0.72, one expert set", prompts, {**s, "new": 64}, 0.72, results, rows,
+                           False)
+            return table("speculative decoding (device, one expert set)", ["row", "accepted length", "tok/s off",
+                                                                          "tok/s on", "speedup", "greedy vs off"], rows)
         path_rows(model, results, rows)
         if not paths_only:
             slice_rows(model, s, results, rows, exact=DEVICE.type != "cuda", profile=profile)
@@ -323,8 +376,10 @@ def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile:
 if __name__ == "__main__":
     flags = sys.argv[1:]
     paths_only = "--paths-only" in flags  # the device's logprob comparison of the paths alone
-    slice_only = paths_only or "--slice-only" in flags  # the device's slice-12 rows alone (the demo rows take minutes)
-    options = ("--slice-only", "--paths-only", "--profile")
+    replay_only = "--replay-profile" in flags  # the device's kernels of a verification graph beside a decode graph
+    shared_only = "--shared-only" in flags  # the device's one-expert-set row alone
+    slice_only = paths_only or replay_only or shared_only or "--slice-only" in flags  # the slice-12 rows alone
+    options = ("--slice-only", "--paths-only", "--profile", "--replay-profile", "--shared-only")
     flag = next((f for f in flags if f not in options), "")
     main({"--smoke": "smoke", "--cpu-demo": "cpu-demo", "": "device"}[flag], slice_only, paths_only,
-         "--profile" in flags)
+         "--profile" in flags, replay_only, shared_only)
