@@ -18,6 +18,8 @@ dtype): the memory that step needs. The ratios are LoRA / full on those numbers.
     .venv/bin/python bench/bench_lora.py --smoke          # CPU: configs/tiny.json, T=128, rank 4, the same code path
     ... --profile    # also: the LoRA step's kernels by device time and category, its aten ops by input shape, and
                      # the full step's fwd+bwd by category (what an ideal LoRA step keeps: all but weight gradients)
+    ... --peer 'python3 bench/peer_automodel_lora.py'   # first, in the same call: NeMo AutoModel's PEFT step on
+                     # its own K3 slice (nemo-automodel 0.7.0 and fla-core installed), its row and our ratio to it
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import datetime
 import functools
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -38,7 +41,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch  # noqa: E402
 
-from bench.common import kernel_category, sync, table, write_json  # noqa: E402
+from bench.common import kernel_category, run_peer, sync, table, write_json  # noqa: E402
 from bench.train_parts import (  # noqa: E402
     GiB,
     Setup,
@@ -179,6 +182,24 @@ def lora_step(cfg, T: int, device: torch.device, args) -> dict:
     return out
 
 
+PEER_LINE = re.compile(r"peer lora step: ([\d.]+) ms at T=(\d+), peak ([\d.]+) GiB, (\d+) adapter parameters, "
+                       r"experts (\w+)")
+
+
+def measure_peer(command: str, timeout: float, T: int) -> dict:
+    """The peer's LoRA step, run before ours: its line, or why none came (with the end of its output)."""
+    log(f"peer: {command} (limit {timeout:.0f} s)")
+    out, why = run_peer(command, timeout)
+    m = PEER_LINE.search(out)
+    if m is None or int(m.group(2)) != T:
+        log(f"peer: no LoRA step line at T={T} ({why}). Its output ends:\n" + out[-2000:])
+        return {"error": f"no step line ({why})", "output_tail": out[-2000:]}
+    peer = {"ms": float(m.group(1)), "peak_gib": float(m.group(3)), "adapter_params": int(m.group(4)),
+            "experts": m.group(5), "notes": [line for line in out.splitlines() if line.startswith("NeMo PEFT")]}
+    log(f"peer: {peer['ms']:.1f} ms, peak {peer['peak_gib']} GiB, experts {peer['experts']}")
+    return peer
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU logic check: configs/tiny.json, T=128, rank 4")
@@ -192,6 +213,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--skip-full", action="store_true", help="time the LoRA step only")
     ap.add_argument("--profile", action="store_true",
                     help="profile the LoRA step (kernels, categories, aten ops by shape) and the full fwd+bwd")
+    ap.add_argument("--peer", metavar="COMMAND",
+                    help="a shell command that runs the peer's LoRA step first, in the same call, e.g.\n"
+                         "'python3 bench/peer_automodel_lora.py' (its 'peer lora step' line is read)")
+    ap.add_argument("--peer-timeout", type=float, default=300.0)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rep", type=int, default=6)
     args = ap.parse_args()
@@ -212,6 +237,8 @@ def main() -> int:
     log(f"{env}")
     result = {"env": env, "config": args.config, "tokens": T, "batch": 1, "targets": TARGETS,
               "memory_target": MEMORY_TARGET, "time_target": TIME_TARGET}
+    if args.peer:  # first: the peer has the GPU to itself, as it would alone
+        result["peer"] = measure_peer(args.peer, args.peer_timeout, T)
     log(f"LoRA rank {args.rank}, {args.base_dtype} base, MXFP4 routed experts: step T={T}")
     result["lora"] = lo = lora_step(cfg, T, device, args)
     log("    " + (lo.get("error") or f"{lo['ms']:.1f} ms, peak {lo['peak_gib']} GiB"))
@@ -235,6 +262,17 @@ def main() -> int:
             result["time_ratio"] = lo["ms"] / full["ms"]
         if lo.get("peak_gib") and full.get("peak_gib"):
             result["memory_ratio"] = lo["peak_gib"] / full["peak_gib"]
+    peer = result.get("peer") or {}
+    if peer:
+        rows.append([f"peer: NeMo AutoModel 0.7.0 PEFT (experts {peer.get('experts', '?')})", gib(peer.get("ms")),
+                     gib(peer.get("peak_gib")), f"{peer['adapter_params']:,}" if peer.get("adapter_params") else "",
+                     peer.get("error", "")[:60]])
+        if lo.get("ms") and peer.get("ms"):
+            result["peer_time_ratio"] = lo["ms"] / peer["ms"]
+            log(f"ours / peer: time {result['peer_time_ratio']:.2f}x")
+        if lo.get("peak_gib") and peer.get("peak_gib"):
+            result["peer_memory_ratio"] = lo["peak_gib"] / peer["peak_gib"]
+            log(f"ours / peer: memory {result['peer_memory_ratio']:.2f}x")
     table(f"LoRA vs full fine-tuning, {args.config}, B=1, T={T}", ["step", "ms", "peak GiB", "adapter params", ""],
           rows)
     ok = lo.get("error") is None and lo.get("finite_gradients", False)

@@ -36,7 +36,6 @@ import dataclasses
 import datetime
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -49,7 +48,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch  # noqa: E402
 
-from bench.common import ceilings, profile_top, table, write_json  # noqa: E402
+from bench.common import ceilings, profile_top, run_peer, table, write_json  # noqa: E402
 from bench.train_parts import (  # noqa: E402
     TRUTH_FLOOR,
     attempt,
@@ -98,12 +97,7 @@ def measure_peer(command: str, timeout: float, T: int, rate: float) -> dict:
     """Run the peer's script (a shell command) before our model takes the GPU and read its forward+backward line:
     the peer's row of this run. Falls back to the recorded PEER (and says why) if the line does not come."""
     log(f"peer: {command} (limit {timeout:.0f} s)")
-    try:
-        proc = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=timeout)
-        out, why = proc.stdout + proc.stderr, f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired as e:
-        out = "".join(x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
-        why = f"timed out after {timeout:.0f} s"
+    out, why = run_peer(command, timeout)
     m = PEER_LINE.search(out)
     if m is None or int(m.group(2)) != T:
         log(f"peer: no fwd+bwd line at T={T} ({why}); keeping the recorded {PEER['ms']} ms. Its output ends:\n"

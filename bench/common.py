@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -77,6 +78,16 @@ def graphed(fn):
     with torch.cuda.graph(g):
         fn()
     return g.replay
+
+
+def run_peer(command: str, timeout: float) -> tuple[str, str]:
+    """Run a peer's script (a shell command) to its end or `timeout`: (its stdout + stderr, how it ended)."""
+    try:
+        proc = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=timeout)
+        return proc.stdout + proc.stderr, f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired as e:
+        out = "".join(x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        return out, f"timed out after {timeout:.0f} s"
 
 
 def profile_top(fn, title: str, iters: int = 5, rows: int = 25) -> None:

@@ -104,6 +104,18 @@ def test_lora_bench_smoke_times_both_steps(tmp_path):
     assert data["time_ratio"] > 0 and lo["frozen_gib"] < full["weights_gib"]  # packed experts: a smaller base
 
 
+def test_lora_bench_runs_the_peer_first(tmp_path):
+    """--peer: the peer's LoRA step line becomes its row and our ratios to it; no such line is an error row."""
+    line = "peer lora step: 400.0 ms at T=128, peak 2.0 GiB, 1234 adapter parameters, experts unquantized"
+    _run("bench.bench_lora", tmp_path, "--smoke", "--skip-full", "--peer", f"{sys.executable} -c 'print(\"{line}\")'")
+    data = json.loads((tmp_path / "bench_lora.json").read_text())
+    assert data["peer"]["ms"] == 400.0 and data["peer"]["experts"] == "unquantized"
+    assert data["peer"]["adapter_params"] == 1234 and data["peer_time_ratio"] == data["lora"]["ms"] / 400.0
+    _run("bench.bench_lora", tmp_path, "--smoke", "--skip-full", "--peer", f"{sys.executable} -c 'print(1)'")
+    data = json.loads((tmp_path / "bench_lora.json").read_text())
+    assert data["peer"]["error"] == "no step line (exit 0)" and "peer_time_ratio" not in data
+
+
 def test_speculative_bench_smoke(tmp_path):
     """bench_spec checks every speculative run against the run without, token for token, before timing it."""
     _run("bench.bench_spec", tmp_path, "--smoke")
