@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
-datasets = pytest.importorskip("datasets", reason="datasets is not installed")
-
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from kimik3.presets import DEMO_MODEL  # noqa: E402
+from kimik3.presets import DEMO_MODEL
 
 CHATS = [
     [{"role": "user", "content": "Who loves Juliet?"}, {"role": "assistant", "content": "Romeo, of the Montagues."}],
@@ -28,6 +24,9 @@ CHATS = [
 
 @pytest.mark.slow
 def test_sft_trainer_runs_with_assistant_only_loss(hf_tok, tmp_path):
+    # imported here, not at collection: CI deselects this `slow` test rather than reporting a skip
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
     data = datasets.Dataset.from_list([{"messages": c} for c in CHATS * 4])
     args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, learning_rate=3e-3,
