@@ -42,17 +42,22 @@ DEMO_PROMPTS = ["KING RICHARD III:\nNow is the winter of our discontent", "PORTI
                 "MACBETH:\nTo-morrow, and to-morrow, and to-morrow,", "PROSPERO:\nOur revels now are ended."]
 
 
+def engine_for(model, prompts, new: int, graphs: bool | None, speculative=None) -> Engine:
+    """An engine sized for the prompts run together, no prefix cache (the same sizes give the same graphs, spans
+    and so the same sums: the fixed points below and the timed runs share them)."""
+    return Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
+                  max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False, use_cuda_graphs=graphs,
+                  speculative=speculative)
+
+
 def timed(model, prompts, new: int, speculative=None, graphs: bool | None = False
           ) -> tuple[list[list[int]], float, Engine]:
     """(greedy outputs, tokens/s, the engine) for the prompts run together."""
-    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
-                    max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
-                    use_cuda_graphs=graphs, speculative=speculative)
+    engine = engine_for(model, prompts, new, graphs, speculative)
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     engine.generate(prompts, params)  # warm: kernels, graphs, autotuning
-    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
-                    max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
-                    use_cuda_graphs=graphs, speculative=speculative) if speculative is not None else engine
+    if speculative is not None:  # a fresh proposer: nothing it kept from the warm-up run
+        engine = engine_for(model, prompts, new, graphs, speculative)
     sync()
     t = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -157,10 +162,8 @@ def divergence(outs: list[list[int]], refs: list[list[int]], margins: list[list[
 
 def top2_gaps(model, prompts, new: int, graphs: bool) -> list[list[float]]:
     """Per row and generated token: the gap between the two largest logprobs, without speculation."""
-    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
-                    max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
-                    use_cuda_graphs=graphs)
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True, logprobs=2))
+    outs = engine_for(model, prompts, new, graphs).generate(
+        prompts, SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True, logprobs=2))
     return [[lp.top[0][1] - lp.top[1][1] for lp in o.outputs[0].logprobs] for o in outs]
 
 
@@ -197,22 +200,20 @@ def demo_rows(s: dict, results: dict, rows: list) -> None:
         print(" | ".join(rows[-1]), flush=True)
 
 
-def fixed_point(model, prompts, new: int, ref: list[list[int]], p: float, k: int, graphs: bool,
-                max_passes: int = 24) -> tuple[list[list[int]], int]:
-    """The continuation the oracle drafts from: the speculative run's own greedy output, not the run without
-    speculation's. On bf16 kernels a verification step's rows sum differently from decode's, and near a tie of the
-    random slice that picks another token (the paths row measures how far the paths are apart); an oracle drafting
-    the other run's tokens then drafts nothing from there on. So: run with the oracle on `ref`, make its output the
-    reference, again, until the output is its reference (the passes agree on a longer prefix each time: the
-    same drafts, rows and kernels up to where they first differ). Returns (that reference, passes)."""
-    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
-                    max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
-                    use_cuda_graphs=graphs, speculative=SpeculativeConfig(OracleProposer([], p, 1), None, k))
+def fixed_point(model, prompts_of, proposer_of, ref: list[list[int]], new: int, k: int, graphs: bool,
+                max_passes: int) -> tuple[list[list[int]], int]:
+    """The continuation a benchmark's proposer drafts from, made the speculative run's own greedy output: run on
+    `prompts_of(ref)` with `proposer_of(ref)` (a fresh one each pass), make the output the reference, again, until
+    the output is its reference or `max_passes` ran. On bf16 kernels a verification step's rows sum differently
+    from decode's, and near a tie of the random slice that picks another token (the paths row measures how far the
+    paths are apart); a proposer drafting the other run's tokens then drafts nothing from there on. The passes
+    agree on a longer prefix each time (the same drafts, rows and kernels up to where they first differ).
+    Returns (that reference, passes)."""
+    engine = engine_for(model, prompts_of(ref), new, graphs, SpeculativeConfig(OracleProposer([], 0.0, 1), None, k))
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
-    V = model.config.vocab_size
     for n in range(1, max_passes + 1):
-        engine.speculator.proposer = OracleProposer([q + r for q, r in zip(prompts, ref)], p, V, seed=1)
-        out = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+        engine.speculator.proposer = proposer_of(ref)
+        out = [o.outputs[0].token_ids for o in engine.generate(prompts_of(ref), params)]
         if out == ref:
             return ref, n
         ref = out
@@ -239,7 +240,8 @@ def oracle_row(model, name: str, prompts, s: dict, p: float, results: dict, rows
     V, k, new, graphs = model.config.vocab_size, s["k"], s["new"], DEVICE.type == "cuda"
     ref, off, _ = timed(model, prompts, new, graphs=graphs)
     gaps = None if exact else top2_gaps(model, prompts, new, graphs)
-    target, passes = fixed_point(model, prompts, new, ref, p, k, graphs)
+    target, passes = fixed_point(model, lambda _: prompts, lambda r: OracleProposer(
+        [q + t for q, t in zip(prompts, r)], p, V, seed=1), ref, new, k, graphs, max_passes=24)
     proposer = OracleProposer([q + r for q, r in zip(prompts, target)], p, V, seed=1)
     out, on, engine = timed(model, prompts, new, SpeculativeConfig(proposer, None, k), graphs)
     acc = engine.speculator.stats.mean_accepted_length
@@ -252,25 +254,6 @@ def oracle_row(model, name: str, prompts, s: dict, p: float, results: dict, rows
     rows.append([name, f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x",
                  f"{r['greedy_vs_off']}; oracle's reference: {r['vs_its_reference']} ({passes} passes)"])
     print(" | ".join(rows[-1]), flush=True)
-
-
-def copy_fixed_point(model, x: list[int], y: list[int], new: int, k: int, graphs: bool,
-                     max_passes: int = 12) -> tuple[list[int], int]:
-    """y with the suffix-decoding run on x + y + x continuing it with y itself (or the last of `max_passes`), a
-    fresh proposer each pass (suffix decoding keeps earlier requests' outputs). Returns (y, passes)."""
-    from kimik3.inference.spec import SuffixProposer
-
-    engine = Engine(model, max_num_seqs=1, max_num_batched_tokens=max(64, 2 * len(x) + new),
-                    max_model_len=2 * len(x) + 2 * new + 8, enable_prefix_cache=False, use_cuda_graphs=graphs,
-                    speculative=SpeculativeConfig("suffix", None, k))
-    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
-    for n in range(1, max_passes + 1):
-        engine.speculator.proposer = SuffixProposer()
-        out = engine.generate([x + y + x], params)[0].outputs[0].token_ids
-        if out == y:
-            return y, n
-        y = out
-    return y, max_passes
 
 
 def slice_rows(model, s: dict, results: dict, rows: list, exact: bool, profile: bool = False) -> None:
@@ -294,7 +277,10 @@ def slice_rows(model, s: dict, results: dict, rows: list, exact: bool, profile: 
     # until it is y), so the output after the second x repeats what the prompt holds after the first
     x = torch.randint(0, min(V, 1000), (s["prompt"] // 2,), generator=g).tolist()
     y, _, _ = timed(model, [x], new, graphs=graphs)
-    y, passes = copy_fixed_point(model, x, y[0], new, k, graphs)
+    from kimik3.inference.spec import SuffixProposer
+
+    (y,), passes = fixed_point(model, lambda r: [x + r[0] + x], lambda _: SuffixProposer(), y, new, k, graphs,
+                               max_passes=12)
     prompt = x + y + x
     ref, off, _ = timed(model, [prompt], new, graphs=graphs)
     out, on, engine = timed(model, [prompt], new, SpeculativeConfig("suffix", None, k), graphs)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.inference.engine.request import Sequence
+from kimik3.inference.engine.sampler import to_device
 from kimik3.inference.engine.scheduler import Chunk
 from kimik3.inference.spec.taps import stack_taps, tapped
 from kimik3.lora.serving import ServedAdapters
@@ -244,6 +245,21 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
 
+def capture(fn, handle, warmups: int):
+    """fn() run `warmups` times on a side stream, outside any graph, then captured into a CUDA graph in the memory
+    pool `handle`: (the graph, what the captured call returned: tensors each replay refills)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=handle), torch.no_grad():
+        out = fn()
+    return graph, out
+
+
 class _StepGraph:
     """One captured uniform step for `rows` sequences of `row_len` tokens (real ones first, then padding on the
     scratch rows) whose keys span `span` blocks at most: decode (row_len 1) or verification (1 + k).
@@ -261,17 +277,8 @@ class _StepGraph:
         self.ids = ids.view(1, row_len * rows)
         self.slots.fill_(runner.pool.scratch_slot)
         self.graph = None
-        if handle is None:
-            return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(2):  # warm up (autotuning, lazy init) on the scratch rows, outside the graph
-                self._forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=handle), torch.no_grad():
-            self.logits = self._forward()
+        if handle is not None:  # warmed up twice on the scratch rows (autotuning, lazy init)
+            self.graph, self.logits = capture(self._forward, handle, warmups=2)
 
     def _forward(self) -> Tensor:
         """The static step; the tapped hidden states into `found` (under a graph, tensors each replay refills)."""
@@ -307,14 +314,7 @@ class _CommitGraph:
         self.slots.fill_(runner.pool.scratch_slot)
         self.keep.fill_(1)
         saved = runner.verify_buffers(rows)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            runner._commit(saved, self.slots, self.keep)  # warm up on the scratch slot
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=handle), torch.no_grad():
-            runner._commit(saved, self.slots, self.keep)
+        self.graph, _ = capture(lambda: runner._commit(saved, self.slots, self.keep), handle, warmups=1)
 
     def __call__(self, slots_N: Tensor, keep: Tensor) -> None:
         self.slots.copy_(slots_N)
@@ -347,8 +347,8 @@ def logit_rows(chunks: list[Chunk]) -> tuple[list[int], list, list]:
 
 
 def take_rows(x: Tensor, index: list[int]) -> Tensor:
-    """x[index] for a host list of row ids; a plain slice (no index tensor, no host-to-device copy that waits
-    for the queued step) when they are 0..n-1, as in every decode step."""
+    """x[index] for a host list of row ids, queued behind the step that writes x (the index goes up through pinned
+    memory, not a copy that waits for the step); a plain slice when they are 0..n-1, as in every decode step."""
     if index == list(range(len(index))):
         return x[: len(index)]
-    return x[torch.tensor(index, device=x.device)]
+    return x[to_device(torch.tensor(index), x.device)]
