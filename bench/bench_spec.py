@@ -5,7 +5,9 @@ Rows, all in one call:
             prompts, batch-1 greedy tokens/s with and without speculation;
   oracle    slice-12 (random weights): an oracle proposer right with probability p (expected accepted length
             (1 - p^(k+1)) / (1 - p), k = 7: p = 0.5 and 0.72, 2.0 and 3.3): tokens/s at batch 1 and 8 vs no speculation
-            (target: accepted length 3.3 at batch 1 >= 2.2x);
+            (target: accepted length 3.3 at batch 1 >= 2.2x); then the same length from k = 3 drafts (p = 0.87: a
+            verification step of 4 tokens reads fewer experts than one of 8) and from k = 7 with every token routed
+            to one expert set;
   copy      slice-12, suffix decoding on a copy workload (the output repeats part of the prompt, see
             `slice_rows`) at batch 1 (target >= 1.5x).
 
@@ -32,12 +34,13 @@ import torch
 from bench.common import DEVICE, environment, smoke_config, sync, table, write_json
 from kimik3.inference import SamplingParams
 from kimik3.inference.engine import Engine, Request, SpeculativeConfig
-from kimik3.inference.spec.oracle import OracleProposer, expected_accepted_length
+from kimik3.inference.spec.oracle import OracleProposer, expected_accepted_length, p_for_accepted_length
 from kimik3.model import K3ForCausalLM
 
-SIZES = {"device": dict(new=128, prompt=256, ps=(0.5, 0.72), k=7, batches=(1, 8), demo_new=128),
-         "cpu-demo": dict(new=0, prompt=0, ps=(), k=7, batches=(), demo_new=48),
-         "smoke": dict(new=12, prompt=40, ps=(0.5, 0.9), k=3, batches=(1, 2), demo_new=8)}
+# short_k: the batch-1 row that reaches the last p's accepted length from fewer drafts
+SIZES = {"device": dict(new=128, prompt=256, ps=(0.5, 0.72), k=7, short_k=3, batches=(1, 8), demo_new=128),
+         "cpu-demo": dict(new=0, prompt=0, ps=(), k=7, short_k=3, batches=(), demo_new=48),
+         "smoke": dict(new=12, prompt=40, ps=(0.5, 0.8), k=3, short_k=2, batches=(1, 2), demo_new=8)}
 DEMO_PROMPTS = ["KING RICHARD III:\nNow is the winter of our discontent", "PORTIA:\nThe quality of mercy is not",
                 "MACBETH:\nTo-morrow, and to-morrow, and to-morrow,", "PROSPERO:\nOur revels now are ended."]
 
@@ -235,6 +238,22 @@ def shared_routing(model):
             gate.e_score_correction_bias.copy_(bias)
 
 
+@contextlib.contextmanager
+def attention_off(model):
+    """Every attention layer's o_proj zeroed: the model becomes a map from each token to its next (see the copy
+    row in `slice_rows`)."""
+    projs = [m.o_proj for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "g_proj")]
+    assert projs, "no attention layer found"
+    saved = [proj.weight.clone() for proj in projs]
+    for proj in projs:
+        proj.weight.zero_()
+    try:
+        yield
+    finally:
+        for proj, w in zip(projs, saved):
+            proj.weight.copy_(w)
+
+
 def oracle_row(model, name: str, prompts, s: dict, p: float, results: dict, rows: list, exact: bool) -> None:
     """One oracle row: the run without speculation, the oracle's fixed point, the timed run and its steps."""
     V, k, new, graphs = model.config.vocab_size, s["k"], s["new"], DEVICE.type == "cuda"
@@ -265,34 +284,47 @@ def slice_rows(model, s: dict, results: dict, rows: list, exact: bool, profile: 
         prompts = [torch.randint(0, min(V, 1000), (s["prompt"],), generator=g).tolist() for _ in range(B)]
         for p in s["ps"]:
             oracle_row(model, f"oracle B={B} p={p}", prompts, s, p, results, rows, exact)
+        if B == 1:  # the same accepted length from fewer drafts: 1 + short_k tokens verified, fewer experts read
+            short = {**s, "k": s["short_k"]}
+            p = p_for_accepted_length(expected_accepted_length(s["ps"][-1], k), short["k"])
+            oracle_row(model, f"oracle B=1 p={p:.3f} k={short['k']}", prompts, short, p, results, rows, exact)
     # the same with every token routed to one expert set (the router's selection bias): a verified row then reads
     # the experts a decode token reads, so the row measures the engine apart from the random routing's expert bytes
     with shared_routing(model):
         prompts = [torch.randint(0, min(V, 1000), (s["prompt"],), generator=g).tolist()]
         oracle_row(model, f"oracle B=1 p={s['ps'][-1]}, one expert set", prompts, s, s["ps"][-1], results, rows,
                    exact)
-    # copy workload: random weights never copy by themselves, so the text copied is the target's own greedy
-    # continuation: prompt = x + y + x where y is what the speculative run itself continues that prompt with (a
-    # fixed point, as the oracle's reference: y = greedy(x), then y = the suffix-decoding run's output on x + y + x
-    # until it is y), so the output after the second x repeats what the prompt holds after the first
-    x = torch.randint(0, min(V, 1000), (s["prompt"] // 2,), generator=g).tolist()
-    y, _, _ = timed(model, [x], new, graphs=graphs)
+    # copy workload: random weights never copy, so the row runs the slice with every attention's o_proj zeroed
+    # (`attention_off`): each position's logits are then a function of its own token (no positions, nothing mixes
+    # them), greedy decoding follows a token map, and a prompt x + y + x with y = greedy(x) is continued by y. The
+    # step reads the same bytes and runs the same kernels as the slice's. y is the suffix-decoding run's own output
+    # (a fixed point, as the oracle's reference: bf16 paths sum differently near a tie)
     from kimik3.inference.spec import SuffixProposer
 
-    (y,), passes = fixed_point(model, lambda r: [x + r[0] + x], lambda _: SuffixProposer(), y, new, k, graphs,
-                               max_passes=12)
-    prompt = x + y + x
+    with attention_off(model):
+        x = torch.randint(0, min(V, 1000), (s["prompt"] // 2,), generator=g).tolist()
+        y, _, _ = timed(model, [x], new, graphs=graphs)
+        (y,), passes = fixed_point(model, lambda r: [x + r[0] + x], lambda _: SuffixProposer(), y, new, k, graphs,
+                                   max_passes=12)
+        copy_row(model, x + y + x, y, passes, s, results, rows, exact, profile)
+
+
+def copy_row(model, prompt, y, passes: int, s: dict, results: dict, rows: list, exact: bool, profile: bool) -> None:
+    """The copy row: suffix decoding on `prompt`, whose greedy continuation is `y` (found by `fixed_point`)."""
+    new, k, graphs = s["new"], s["k"], DEVICE.type == "cuda"
     ref, off, _ = timed(model, [prompt], new, graphs=graphs)
     out, on, engine = timed(model, [prompt], new, SpeculativeConfig("suffix", None, k), graphs)
     acc = engine.speculator.stats.mean_accepted_length
     r = results["copy suffix B=1"] = dict(accepted_length=acc, tokens_per_s=on, tokens_per_s_off=off,
                                           speedup=on / off, fixed_point_passes=passes,
-                                          vs_copied_text=divergence(out, [y], None))
+                                          vs_copied_text=divergence(out, [y], None),
+                                          distinct_tokens_copied=len(set(y)))
     check("copy suffix B=1", out, ref, None if exact else top2_gaps(model, [prompt], new, graphs), exact, r)
     r.update(step_times(engine, [prompt], new, profile=profile))
     print(f"copy suffix B=1 steps: {r}", flush=True)
     rows.append(["copy suffix B=1", f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x",
-                 f"{r['greedy_vs_off']}; the copied text: {r['vs_copied_text']} ({passes} passes)"])
+                 f"{r['greedy_vs_off']}; the copied text: {r['vs_copied_text']} ({passes} passes, "
+                 f"{len(set(y))} distinct tokens)"])
     print(" | ".join(rows[-1]), flush=True)
 
 

@@ -15,7 +15,7 @@ from kimik3.inference.engine import speculative as spec_module
 from kimik3.inference.engine.request import accumulate
 from kimik3.inference.sampling import SamplingParams
 from kimik3.inference.spec import Draft, target_probs
-from kimik3.inference.spec.oracle import OracleProposer
+from kimik3.inference.spec.oracle import OracleProposer, expected_accepted_length, p_for_accepted_length
 from kimik3.model import K3ForCausalLM
 from tests.helpers import randomize, rel_err
 from tests.inference.engine.conftest import greedy, make_engine, random_prompts
@@ -65,6 +65,15 @@ def test_greedy_oracle_equals_non_speculative(model, p, k, batch, graphs):
         assert [[i for i, _ in lp.top] for lp in a.outputs[0].logprobs] == \
             [[i for i, _ in lp.top] for lp in b.outputs[0].logprobs]
     assert len(engine.slots) == engine.pool.num_slots
+
+
+def test_p_for_accepted_length_inverts_the_expected_length():
+    for k, length in ((7, 3.3), (3, 3.3), (4, 2.0), (1, 1.5)):
+        p = p_for_accepted_length(length, k)
+        assert abs(expected_accepted_length(p, k) - length) < 1e-9
+    assert p_for_accepted_length(3.3, 3) > p_for_accepted_length(3.3, 7)  # fewer drafts need righter ones
+    with pytest.raises(ValueError, match=r"\[1, 4\]"):
+        p_for_accepted_length(4.5, 3)
 
 
 def _states(engine: Engine) -> dict[tuple[str, int], tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:

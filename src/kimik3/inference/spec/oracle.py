@@ -21,6 +21,18 @@ def expected_accepted_length(p: float, k: int) -> float:
     return float(k + 1) if p >= 1 else (1 - p ** (k + 1)) / (1 - p)
 
 
+def p_for_accepted_length(length: float, k: int) -> float:
+    """The p at which k drafts give `length` expected tokens per verification step (bisection: the length rises
+    with p from 1 to k + 1)."""
+    if not 1 <= length <= k + 1:
+        raise ValueError(f"an accepted length with {k} drafts lies in [1, {k + 1}], got {length}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_accepted_length(mid, k) < length else (lo, mid)
+    return (lo + hi) / 2
+
+
 class OracleProposer:
     """Drafts from `references` (full token lists): right with probability `p`, from a `seed`ed stream.
 
