@@ -5,11 +5,17 @@ It holds reference sequences (prompt + the target's greedy continuation). Each d
 token with probability p and a wrong one otherwise, so with k drafts the expected accepted length (the bonus
 token included) is (1 - p^(k+1)) / (1 - p): a knob for acceptance. A sequence that has left every reference
 (sampling) gets no draft.
+
+Whether the draft for a position is right is drawn once per (seed, sequence, position), not from a stream: a run
+then drafts the same as any other run of the same references, whatever ran before it (a warm-up) and whichever
+reference of several it follows. A step's outcome reads only the marks up to its first wrong draft, and the next
+step starts after that, so the steps' accepted lengths are still independent draws of the law above.
 """
 
 from __future__ import annotations
 
 import random
+import zlib
 
 from torch import Tensor
 
@@ -40,6 +46,7 @@ class OracleProposer:
         references: prompt + greedy continuation of each request the proposer may meet.
         p: the chance each draft token is the reference's.
         vocab_size: wrong tokens are the reference's + 1 modulo it.
+        seed: the marks' seed.
     """
 
     needs_taps: tuple[int, ...] = ()
@@ -48,7 +55,7 @@ class OracleProposer:
         if not 0 <= p <= 1:
             raise ValueError(f"p must be in [0, 1], got {p}")
         self.references, self.p, self.vocab_size = [list(r) for r in references], p, vocab_size
-        self.rng = random.Random(seed)
+        self.seed = seed
 
     def observe(self, seq_id: int, tokens: list[int]) -> None:
         """Nothing to keep: `propose` matches the whole context against the references."""
@@ -61,7 +68,10 @@ class OracleProposer:
         ref = next((r for r in self.references if len(r) > n and r[:n] == ids), None)
         if ref is None:
             return Draft()
+        # the sequence is named by its first tokens (the prompt's), so every reference it may follow shares the marks
+        name = zlib.crc32(repr(ids[:32]).encode())
         out = []
-        for t in ref[n: n + k]:
-            out.append(t if self.rng.random() < self.p else (t + 1) % self.vocab_size)
+        for pos, t in enumerate(ref[n: n + k], start=n):
+            right = random.Random((self.seed << 64) | (name << 32) | pos).random() < self.p
+            out.append(t if right else (t + 1) % self.vocab_size)
         return Draft(tuple(out))
