@@ -19,7 +19,8 @@ Every speculative run is checked against the run without speculation, token for 
     PYTHONPATH=src:. python3 bench/bench_spec.py --paths-only  # device: the paths' logprobs vs a full forward
     (device flags: --profile, the host and device time of the copy row's verification steps; --replay-profile,
     only the kernels of a verification graph beside a decode graph of as many tokens; --shared-only, only the
-    oracle row with every token routed to one expert set)
+    oracle row with every token routed to one expert set; --token-map, only the oracle rows at 3.3 on the slice with
+    its attention outputs zeroed, see `token_map_rows`)
     PYTHONPATH=src:. python3 bench/bench_spec.py --smoke     # CPU check of this script at toy sizes
 """
 
@@ -204,27 +205,23 @@ def demo_rows(s: dict, results: dict, rows: list) -> None:
 
 
 def fixed_point(model, prompts_of, proposer_of, ref: list[list[int]], new: int, k: int, graphs: bool,
-                max_passes: int, branches: bool = False) -> tuple[list[list[list[int]]], int]:
+                max_passes: int) -> tuple[list[list[int]], int]:
     """The continuation a benchmark's proposer drafts from, made the speculative run's own greedy output: run on
-    `prompts_of(last output)` with `proposer_of(every output so far)` (a fresh one each pass), until the output is
-    its reference or `max_passes` ran. On bf16 kernels a verification step's rows sum differently from decode's
-    (the expert kernels' tiles follow how many tokens each expert gets), and near a tie of the random slice that
-    picks another token (the paths row measures how far the paths are apart); a proposer drafting the other run's
-    tokens then drafts nothing from there on. Where a token flips back and forth between passes, one reference
-    cannot be the run's own: `branches` keeps every pass's output as a reference (the oracle drafts from whichever
-    the sequence follows), and a pass is the fixed point when each of its rows is one some pass produced before.
-    Returns (the outputs of every pass, the first being `ref`; passes)."""
-    seen = [ref]
+    `prompts_of(ref)` with `proposer_of(ref)` (a fresh one each pass), make the output the reference, again, until
+    the output is its reference or `max_passes` ran. On bf16 kernels a verification step's rows sum differently
+    from decode's, and near a tie of the random slice that picks another token (the paths row measures how far the
+    paths are apart); a proposer drafting the other run's tokens then drafts nothing from there on. The passes
+    agree on a longer prefix each time (the same drafts, rows and kernels up to where they first differ).
+    Returns (that reference, passes)."""
     engine = engine_for(model, prompts_of(ref), new, graphs, SpeculativeConfig(OracleProposer([], 0.0, 1), None, k))
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     for n in range(1, max_passes + 1):
-        engine.speculator.proposer = proposer_of(seen if branches else seen[-1:])
-        out = [o.outputs[0].token_ids for o in engine.generate(prompts_of(seen[-1]), params)]
-        known = all(any(row == past[i] for past in seen) for i, row in enumerate(out)) if branches else out == seen[-1]
-        if known:
-            return seen, n
-        seen.append(out)
-    return seen, max_passes
+        engine.speculator.proposer = proposer_of(ref)
+        out = [o.outputs[0].token_ids for o in engine.generate(prompts_of(ref), params)]
+        if out == ref:
+            return ref, n
+        ref = out
+    return ref, max_passes
 
 
 @contextlib.contextmanager
@@ -263,21 +260,19 @@ def oracle_row(model, name: str, prompts, s: dict, p: float, results: dict, rows
     V, k, new, graphs = model.config.vocab_size, s["k"], s["new"], DEVICE.type == "cuda"
     ref, off, _ = timed(model, prompts, new, graphs=graphs)
     gaps = None if exact else top2_gaps(model, prompts, new, graphs)
-    oracle_of = lambda outs: OracleProposer(  # noqa: E731  (every row of every output given, as a reference)
-        [q + t for out in outs for q, t in zip(prompts, out)], p, V, seed=1)
-    seen, passes = fixed_point(model, lambda _: prompts, oracle_of, ref, new, k, graphs, max_passes=24, branches=True)
-    out, on, engine = timed(model, prompts, new, SpeculativeConfig(oracle_of(seen), None, k), graphs)
+    target, passes = fixed_point(model, lambda _: prompts, lambda r: OracleProposer(
+        [q + t for q, t in zip(prompts, r)], p, V, seed=1), ref, new, k, graphs, max_passes=24)
+    proposer = OracleProposer([q + r for q, r in zip(prompts, target)], p, V, seed=1)
+    out, on, engine = timed(model, prompts, new, SpeculativeConfig(proposer, None, k), graphs)
     acc = engine.speculator.stats.mean_accepted_length
-    drafted = all(any(row == past[i] for past in seen) for i, row in enumerate(out))
     r = results[name] = dict(accepted_length=acc, expected=expected_accepted_length(p, k), tokens_per_s=on,
                              tokens_per_s_off=off, speedup=on / off, fixed_point_passes=passes,
-                             references=len(seen), vs_its_reference="exact" if drafted else "left its references")
+                             vs_its_reference=divergence(out, target, None))
     check(name, out, ref, gaps, exact, r)
     r.update(step_times(engine, prompts, new))
     print(f"{name} steps: {r}", flush=True)
     rows.append([name, f"{acc:.2f}", f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x",
-                 f"{r['greedy_vs_off']}; vs the oracle's references: {r['vs_its_reference']} ({passes} passes, "
-                 f"{len(seen)} outputs)"])
+                 f"{r['greedy_vs_off']}; oracle's reference: {r['vs_its_reference']} ({passes} passes)"])
     print(" | ".join(rows[-1]), flush=True)
 
 
@@ -310,9 +305,8 @@ def slice_rows(model, s: dict, results: dict, rows: list, exact: bool, profile: 
     with attention_off(model):
         x = torch.randint(0, min(V, 1000), (s["prompt"] // 2,), generator=g).tolist()
         y, _, _ = timed(model, [x], new, graphs=graphs)
-        seen, passes = fixed_point(model, lambda r: [x + r[0] + x], lambda _: SuffixProposer(), y, new, k, graphs,
+        (y,), passes = fixed_point(model, lambda r: [x + r[0] + x], lambda _: SuffixProposer(), y, new, k, graphs,
                                    max_passes=12)
-        (y,) = seen[-1]
         copy_row(model, x + y + x, y, passes, s, results, rows, exact, profile)
 
 
@@ -333,6 +327,24 @@ def copy_row(model, prompt, y, passes: int, s: dict, results: dict, rows: list, 
                  f"{r['greedy_vs_off']}; the copied text: {r['vs_copied_text']} ({passes} passes, "
                  f"{len(set(y))} distinct tokens)"])
     print(" | ".join(rows[-1]), flush=True)
+
+
+def token_map_rows(model, s: dict, results: dict, rows: list) -> None:
+    """The oracle rows at the last p's accepted length (B=1 with k and short_k drafts, B=8 with k), run on the slice
+    with `attention_off` as the copy row is. On the random slice a verification step's tokens differ from decode's
+    near ties (the paths row), so the oracle's reference, found as a fixed point, can end before the run does and
+    the steps after it decode undrafted; as a token map the slice has no such drift (the copy row's greedy equals
+    the run without speculation), at the same bytes and kernels."""
+    V, g = model.config.vocab_size, torch.Generator().manual_seed(0)
+    p = s["ps"][-1]
+    for B in s["batches"]:
+        prompts = [torch.randint(0, min(V, 1000), (s["prompt"],), generator=g).tolist() for _ in range(B)]
+        oracle_row(model, f"token map: oracle B={B} p={p}", prompts, s, p, results, rows, False)
+        if B == 1:
+            short = {**s, "k": s["short_k"]}
+            q = p_for_accepted_length(expected_accepted_length(p, s["k"]), short["k"])
+            oracle_row(model, f"token map: oracle B=1 p={q:.3f} k={short['k']}", prompts, short, q, results, rows,
+                       False)
 
 
 def path_rows(model, results: dict, rows: list, new: int = 24, k: int = 7) -> None:
@@ -384,7 +396,7 @@ def replay_profiles(model, prompt_len: int = 256, k: int = 7) -> None:
 
 @torch.no_grad()
 def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile: bool = False,
-         replay_only: bool = False, shared_only: bool = False) -> None:
+         replay_only: bool = False, shared_only: bool = False, token_map: bool = False) -> None:
     s = SIZES[mode]
     results, rows = {}, []
     if mode != "smoke" and not slice_only:
@@ -400,6 +412,12 @@ def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile:
         print(f"slice-12 experts: {results['experts']}", flush=True)
         if replay_only:
             return replay_profiles(model)
+        if token_map:  # the oracle rows at 3.3 on the slice as a token map, where paths agree
+            with attention_off(model):
+                token_map_rows(model, s, results, rows)
+            table("speculative decoding (device, the slice as a token map)", ["row", "accepted length", "tok/s off",
+                                                                          "tok/s on", "speedup", "greedy vs off"], rows)
+            return write_json("bench_spec", {"mode": "token-map", "sizes": s, "env": environment(), "results": results})
         if shared_only:  # the one-expert-set row alone, 64 new tokens
             with shared_routing(model):
                 prompts = [torch.randint(0, 1000, (s["prompt"],), generator=torch.Generator().manual_seed(0)).tolist()]
@@ -424,8 +442,9 @@ if __name__ == "__main__":
     paths_only = "--paths-only" in flags  # the device's logprob comparison of the paths alone
     replay_only = "--replay-profile" in flags  # the device's kernels of a verification graph beside a decode graph
     shared_only = "--shared-only" in flags  # the device's one-expert-set row alone
-    slice_only = paths_only or replay_only or shared_only or "--slice-only" in flags  # the slice-12 rows alone
-    options = ("--slice-only", "--paths-only", "--profile", "--replay-profile", "--shared-only")
+    token_map = "--token-map" in flags  # the device's oracle rows at 3.3 with attention outputs zeroed
+    slice_only = paths_only or replay_only or shared_only or token_map or "--slice-only" in flags  # slice-12 alone
+    options = ("--slice-only", "--paths-only", "--profile", "--replay-profile", "--shared-only", "--token-map")
     flag = next((f for f in flags if f not in options), "")
     main({"--smoke": "smoke", "--cpu-demo": "cpu-demo", "": "device"}[flag], slice_only, paths_only,
-         "--profile" in flags, replay_only, shared_only)
+         "--profile" in flags, replay_only, shared_only, token_map)
