@@ -193,8 +193,9 @@ def demo_rows(s: dict, results: dict, rows: list) -> None:
     new, graphs = s["demo_new"], None  # as `kimik3 generate` runs it: the engine's default (fp32: no graphs)
     base = [timed(lm, [p], new, graphs=graphs) for p in prompts]
     off = sum(b[1] for b in base) / len(base)
-    for name, cfg in (("draft", SpeculativeConfig("draft", str(DEMO_DRAFTER), 7)),
-                      ("suffix", SpeculativeConfig("suffix", None, 4))):
+    # k as a user gets it: `--speculative-method` without `--num-speculative-tokens` (SpeculativeConfig's default)
+    for name, cfg in (("draft", SpeculativeConfig("draft", str(DEMO_DRAFTER))),
+                      ("suffix", SpeculativeConfig("suffix"))):
         runs = [timed(lm, [p], new, cfg, graphs) for p in prompts]
         assert all(r[0] == b[0] for r, b in zip(runs, base)), f"demo {name}: speculative greedy differs"
         acc = sum(r[2].speculator.stats.mean_accepted_length for r in runs) / len(runs)

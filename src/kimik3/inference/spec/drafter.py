@@ -220,7 +220,11 @@ class DSparkDrafter(nn.Module):
     def heads(self, h_SD: Tensor, prev_S: Tensor, lm_head: nn.Linear) -> tuple[Tensor, Tensor | None]:
         """Draft logits [..., V] fp32 and confidence logits [...] (None without the head) for slots whose
         previous tokens are `prev_S`."""
-        logits = lm_head(h_SD.to(lm_head.weight.dtype)).float()
+        return self.finish_heads(lm_head(h_SD.to(lm_head.weight.dtype)).float(), h_SD, prev_S)
+
+    def finish_heads(self, logits: Tensor, h_SD: Tensor, prev_S: Tensor) -> tuple[Tensor, Tensor | None]:
+        """`heads` given the target head's logits of `h_SD` (the part that does not depend on `prev_S`: a
+        proposer drafting token by token computes it for the whole block in one GEMM)."""
         bias, z = self.markov(prev_S)
         if bias is not None:
             logits = logits + bias

@@ -141,9 +141,12 @@ class DSparkProposer:
         block = torch.tensor([[ids[-1]] + [cfg.mask_token_id] * k], device=dev)
         h = self.drafter.backbone(ctx[None], block, self.embed, torch.arange(C, device=dev)[None],
                                   torch.arange(C, C + S, device=dev)[None], None)[0]
+        # the target head over every slot at once (one read of its [V, D] weight); the Markov bias and the
+        # confidence follow each drafted token in turn
+        base = self.lm_head(h[1:].to(self.lm_head.weight.dtype)).float()
         tokens, probs, confs, survive, prev = [], [], [], 1.0, ids[-1]
         for j in range(1, S):
-            logits, conf = self.drafter.heads(h[j], torch.tensor(prev, device=dev), self.lm_head)
+            logits, conf = self.drafter.finish_heads(base[j - 1], h[j], torch.tensor(prev, device=dev))
             c = float(torch.sigmoid(conf)) if conf is not None else 1.0
             if tokens and survive * c < self.min_confidence:
                 break
