@@ -21,7 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="skip compiling and capturing every step shape before serving (first requests then wait)")
     g.add_argument("--speculative-method", choices=("suffix", "draft"), default=None,
                    help="speculative decoding: suffix (model-free, copies from the prompt and output) or draft "
-                        "(a DSpark-style drafter, --speculative-model); the output is unchanged")
+                        "(a DSpark-style drafter, --speculative-model); the same output (greedy: the same tokens in "
+                        "float32; bf16 rounds a verified row differently, which can flip a near-tie)")
     g.add_argument("--speculative-model", metavar="PATH", default=None,
                    help="the drafter's folder for --speculative-method draft")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
