@@ -190,7 +190,9 @@ def demo_rows(s: dict, results: dict, rows: list) -> None:
     lm = load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True, device=DEVICE).language_model.eval()
     tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
     prompts = [tok.encode(p) for p in DEMO_PROMPTS]
-    new, graphs = s["demo_new"], None  # as `kimik3 generate` runs it: the engine's default (fp32: no graphs)
+    # fp32, where greedy with speculation is the same tokens (`kimik3 generate --dtype float32`; without the flag
+    # it loads the demo's bf16, where a near-tie can flip: docs/speculative.md); graphs: the engine's default
+    new, graphs = s["demo_new"], None
     base = [timed(lm, [p], new, graphs=graphs) for p in prompts]
     off = sum(b[1] for b in base) / len(base)
     # k as a user gets it: `--speculative-method` without `--num-speculative-tokens` (SpeculativeConfig's default)
