@@ -76,6 +76,22 @@ def test_p_for_accepted_length_inverts_the_expected_length():
         p_for_accepted_length(4.5, 3)
 
 
+def test_oracle_marks_are_per_position_and_keep_the_law():
+    ref = list(range(20_000))
+    a, b = OracleProposer([ref], 0.72, 10**6, seed=1), OracleProposer([ref], 0.72, 10**6, seed=1)
+    a.propose(0, ref[:50], 7)  # a warm-up call: a stream would now be ahead
+    assert a.propose(0, ref[:9], 40) == b.propose(0, ref[:9], 40)
+    assert OracleProposer([ref], 0.72, 10**6, seed=2).propose(0, ref[:9], 40) != b.propose(0, ref[:9], 40)
+    # steps as the engine takes them: accept up to the first wrong draft, then the bonus token
+    n, steps = 5, []
+    while n < 19_000:
+        draft = b.propose(0, ref[:n], 7).tokens
+        accepted = next((i for i, t in enumerate(draft) if t != ref[n + i]), len(draft))
+        steps.append(accepted + 1)
+        n += accepted + 1
+    assert abs(sum(steps) / len(steps) - expected_accepted_length(0.72, 7)) < 0.1  # ~5,700 steps: sd ~0.03
+
+
 def _states(engine: Engine) -> dict[tuple[str, int], tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(request, choice) -> (num_computed, recurrent, conv, latents of positions < num_computed), now."""
     out, pool, Bs = {}, engine.pool, engine.pool.block_size

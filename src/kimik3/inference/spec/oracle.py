@@ -40,7 +40,7 @@ def p_for_accepted_length(length: float, k: int) -> float:
 
 
 class OracleProposer:
-    """Drafts from `references` (full token lists): right with probability `p`, from a `seed`ed stream.
+    """Drafts from `references` (full token lists): right with probability `p`, drawn per position from `seed`.
 
     Args:
         references: prompt + greedy continuation of each request the proposer may meet.
