@@ -20,7 +20,7 @@ Every speculative run is checked against the run without speculation, token for 
     (device flags: --profile, the host and device time of the copy row's verification steps; --replay-profile,
     only the kernels of a verification graph beside a decode graph of as many tokens; --shared-only, only the
     oracle row with every token routed to one expert set; --token-map, only the oracle rows at 3.3 on the slice with
-    its attention outputs zeroed, see `token_map_rows`)
+    its attention outputs zeroed, see `main`)
     PYTHONPATH=src:. python3 bench/bench_spec.py --smoke     # CPU check of this script at toy sizes
 """
 
@@ -42,6 +42,7 @@ from kimik3.model import K3ForCausalLM
 SIZES = {"device": dict(new=128, prompt=256, ps=(0.5, 0.72), k=7, short_k=3, batches=(1, 8), demo_new=128),
          "cpu-demo": dict(new=0, prompt=0, ps=(), k=7, short_k=3, batches=(), demo_new=48),
          "smoke": dict(new=12, prompt=40, ps=(0.5, 0.8), k=3, short_k=2, batches=(1, 2), demo_new=8)}
+HEADER = ["row", "accepted length", "tok/s off", "tok/s on", "speedup", "greedy vs off"]
 DEMO_PROMPTS = ["KING RICHARD III:\nNow is the winter of our discontent", "PORTIA:\nThe quality of mercy is not",
                 "MACBETH:\nTo-morrow, and to-morrow, and to-morrow,", "PROSPERO:\nOur revels now are ended."]
 
@@ -284,14 +285,7 @@ def slice_rows(model, s: dict, results: dict, rows: list, exact: bool, profile: 
     token (on the GPU's bf16 kernels the rows report where it first does, and how close a call that was)."""
     V, k, new, graphs = model.config.vocab_size, s["k"], s["new"], DEVICE.type == "cuda"
     g = torch.Generator().manual_seed(0)
-    for B in s["batches"]:
-        prompts = [torch.randint(0, min(V, 1000), (s["prompt"],), generator=g).tolist() for _ in range(B)]
-        for p in s["ps"]:
-            oracle_row(model, f"oracle B={B} p={p}", prompts, s, p, results, rows, exact)
-        if B == 1:  # the same accepted length from fewer drafts: 1 + short_k tokens verified, fewer experts read
-            short = {**s, "k": s["short_k"]}
-            p = p_for_accepted_length(expected_accepted_length(s["ps"][-1], k), short["k"])
-            oracle_row(model, f"oracle B=1 p={p:.3f} k={short['k']}", prompts, short, p, results, rows, exact)
+    oracle_rows(model, "", s["ps"], g, s, results, rows, exact)
     # the same with every token routed to one expert set (the router's selection bias): a verified row then reads
     # the experts a decode token reads, so the row measures the engine apart from the random routing's expert bytes
     with shared_routing(model):
@@ -332,22 +326,18 @@ def copy_row(model, prompt, y, passes: int, s: dict, results: dict, rows: list, 
     print(" | ".join(rows[-1]), flush=True)
 
 
-def token_map_rows(model, s: dict, results: dict, rows: list) -> None:
-    """The oracle rows at the last p's accepted length (B=1 with k and short_k drafts, B=8 with k), run on the slice
-    with `attention_off` as the copy row is. On the random slice a verification step's tokens differ from decode's
-    near ties (the paths row), so the oracle's reference, found as a fixed point, can end before the run does and
-    the steps after it decode undrafted; as a token map the slice has no such drift (the copy row's greedy equals
-    the run without speculation), at the same bytes and kernels."""
-    V, g = model.config.vocab_size, torch.Generator().manual_seed(0)
-    p = s["ps"][-1]
+def oracle_rows(model, prefix: str, ps, g: torch.Generator, s: dict, results: dict, rows: list, exact: bool) -> None:
+    """The oracle rows at each p and batch size, prompts drawn from `g`; at batch 1 also the last p's accepted
+    length from short_k drafts (1 + short_k tokens verified: fewer experts read)."""
+    V = model.config.vocab_size
     for B in s["batches"]:
         prompts = [torch.randint(0, min(V, 1000), (s["prompt"],), generator=g).tolist() for _ in range(B)]
-        oracle_row(model, f"token map: oracle B={B} p={p}", prompts, s, p, results, rows, False)
+        for p in ps:
+            oracle_row(model, f"{prefix}oracle B={B} p={p}", prompts, s, p, results, rows, exact)
         if B == 1:
             short = {**s, "k": s["short_k"]}
-            q = p_for_accepted_length(expected_accepted_length(p, s["k"]), short["k"])
-            oracle_row(model, f"token map: oracle B=1 p={q:.3f} k={short['k']}", prompts, short, q, results, rows,
-                       False)
+            q = p_for_accepted_length(expected_accepted_length(ps[-1], s["k"]), short["k"])
+            oracle_row(model, f"{prefix}oracle B=1 p={q:.3f} k={short['k']}", prompts, short, q, results, rows, exact)
 
 
 def path_rows(model, results: dict, rows: list, new: int = 24, k: int = 7) -> None:
@@ -415,19 +405,22 @@ def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile:
         print(f"slice-12 experts: {results['experts']}", flush=True)
         if replay_only:
             return replay_profiles(model)
-        if token_map:  # the oracle rows at 3.3 on the slice as a token map, where paths agree
+        if token_map:
+            # the oracle rows at 3.3 on the slice as a token map (`attention_off`, as the copy row): on the random
+            # slice a verification step's tokens differ from decode's near ties (the paths row), so the oracle's
+            # reference, a fixed point, can end before the run does and the steps after it decode undrafted; the
+            # token map has no such drift, at the same bytes and kernels
             with attention_off(model):
-                token_map_rows(model, s, results, rows)
-            table("speculative decoding (device, the slice as a token map)", ["row", "accepted length", "tok/s off",
-                                                                          "tok/s on", "speedup", "greedy vs off"], rows)
+                oracle_rows(model, "token map: ", s["ps"][-1:], torch.Generator().manual_seed(0), s, results, rows,
+                            False)
+            table("speculative decoding (device, the slice as a token map)", HEADER, rows)
             return write_json("bench_spec", {"mode": "token-map", "sizes": s, "env": environment(), "results": results})
         if shared_only:  # the one-expert-set row alone, 64 new tokens
             with shared_routing(model):
                 prompts = [torch.randint(0, 1000, (s["prompt"],), generator=torch.Generator().manual_seed(0)).tolist()]
                 oracle_row(model, "oracle B=1 p=0.72, one expert set", prompts, {**s, "new": 64}, 0.72, results, rows,
                            False)
-            return table("speculative decoding (device, one expert set)", ["row", "accepted length", "tok/s off",
-                                                                          "tok/s on", "speedup", "greedy vs off"], rows)
+            return table("speculative decoding (device, one expert set)", HEADER, rows)
         path_rows(model, results, rows)
         if not paths_only:
             slice_rows(model, s, results, rows, exact=DEVICE.type != "cuda", profile=profile)
@@ -435,8 +428,7 @@ def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile:
         model = K3ForCausalLM(smoke_config("slice-12").text, torch.float32).init_weights(0).eval()
         path_rows(model, results, rows, new=8, k=3)
         slice_rows(model, s, results, rows, exact=True, profile=profile)
-    table(f"speculative decoding ({mode})", ["row", "accepted length", "tok/s off", "tok/s on", "speedup",
-                                             "greedy vs off"], rows)
+    table(f"speculative decoding ({mode})", HEADER, rows)
     write_json("bench_spec", {"mode": mode, "sizes": s, "env": environment(), "results": results})
 
 
