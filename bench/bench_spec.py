@@ -20,7 +20,7 @@ Every speculative run is checked against the run without speculation, token for 
     (device flags: --profile, the host and device time of the copy row's verification steps; --replay-profile,
     only the kernels of a verification graph beside a decode graph of as many tokens; --shared-only, only the
     oracle row with every token routed to one expert set; --token-map, only the oracle rows at 3.3 on the slice with
-    its attention outputs zeroed, see `main`)
+    its attention outputs zeroed, see `token_map_rows`)
     PYTHONPATH=src:. python3 bench/bench_spec.py --smoke     # CPU check of this script at toy sizes
 """
 
@@ -340,6 +340,15 @@ def oracle_rows(model, prefix: str, ps, g: torch.Generator, s: dict, results: di
             oracle_row(model, f"{prefix}oracle B=1 p={q:.3f} k={short['k']}", prompts, short, q, results, rows, exact)
 
 
+def token_map_rows(model, s: dict, results: dict, rows: list, exact: bool) -> None:
+    """The oracle rows at the last p on the slice as a token map (`attention_off`, as the copy row): on the random
+    slice a verification step's tokens differ from decode's near ties (the paths row), so the oracle's reference, a
+    fixed point, can end before the run does and the steps after it decode undrafted; the token map has no such
+    drift, at the same bytes and kernels."""
+    with attention_off(model):
+        oracle_rows(model, "token map: ", s["ps"][-1:], torch.Generator().manual_seed(0), s, results, rows, exact)
+
+
 def path_rows(model, results: dict, rows: list, new: int = 24, k: int = 7) -> None:
     """Where speculative greedy leaves the run without it on bf16 kernels: the logprob of each generated token as
     decode steps compute it, as verification chunks compute it (an oracle that drafts the decode run's tokens,
@@ -406,13 +415,7 @@ def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile:
         if replay_only:
             return replay_profiles(model)
         if token_map:
-            # the oracle rows at 3.3 on the slice as a token map (`attention_off`, as the copy row): on the random
-            # slice a verification step's tokens differ from decode's near ties (the paths row), so the oracle's
-            # reference, a fixed point, can end before the run does and the steps after it decode undrafted; the
-            # token map has no such drift, at the same bytes and kernels
-            with attention_off(model):
-                oracle_rows(model, "token map: ", s["ps"][-1:], torch.Generator().manual_seed(0), s, results, rows,
-                            False)
+            token_map_rows(model, s, results, rows, exact=False)
             table("speculative decoding (device, the slice as a token map)", HEADER, rows)
             return write_json("bench_spec", {"mode": "token-map", "sizes": s, "env": environment(), "results": results})
         if shared_only:  # the one-expert-set row alone, 64 new tokens
@@ -428,6 +431,7 @@ def main(mode: str, slice_only: bool = False, paths_only: bool = False, profile:
         model = K3ForCausalLM(smoke_config("slice-12").text, torch.float32).init_weights(0).eval()
         path_rows(model, results, rows, new=8, k=3)
         slice_rows(model, s, results, rows, exact=True, profile=profile)
+        token_map_rows(model, s, results, rows, exact=True)
     table(f"speculative decoding ({mode})", HEADER, rows)
     write_json("bench_spec", {"mode": mode, "sizes": s, "env": environment(), "results": results})
 
