@@ -95,7 +95,7 @@ def main() -> None:
         def mx(c=None):
             if c is None:
                 return triton_mxfp4.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
-            return triton_mxfp4._forward(z, idx, tw, packed, scales, BETA, LINEAR_BETA, c, c)
+            return triton_mxfp4.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA, configs=(c, c))
 
         def bf():
             return grouped.routed_experts(z, idx, tw, *dense, BETA, LINEAR_BETA)

@@ -118,7 +118,7 @@ def profile_top(fn, title: str, iters: int = 5, rows: int = 25) -> None:
 KERNEL_CATEGORIES = (
     ("MoE W4A16 experts", ("humming", "_gate_up_kernel", "_down_kernel", "_tiles_kernel", "_tables_kernel",
                            "_combine_kernel", "_situ_kernel")),
-    # LoRA over packed experts (kimik3.ops.moe.lora_grouped): a layer's codes decoded into a transient bf16 buffer
+    # LoRA over packed experts (kimik3.ops.lora.experts_grouped): a layer's codes decoded into a transient bf16 buffer
     ("MXFP4 decode (transient expert weights)", ("_mxfp4_decode_kernel",)),
     # torch's own CUTLASS 3.x kernels (at::cuda::detail::enable_3x_kernel_for_sm9x) are its grouped GEMM here
     ("grouped expert GEMMs and their gathers", ("grouped", "_sum_rows_kernel", "_combine_backward_kernel",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimik3.ops.lora import grouped, reference
+from kimik3.ops.lora import AdapterWeights, LoraWeights, grouped, reference
+from kimik3.ops.moe import PackedWeights, routed_experts
 from kimik3.ops.moe import reference as moe_reference
-from kimik3.ops.moe import routed_experts_mxfp4_adapters, routed_experts_mxfp4_lora
 from tests.helpers import rel_err
 from tests.ops.test_moe_fast import mx_experts, routing
 
@@ -70,12 +70,14 @@ def test_experts_with_per_token_adapters_equal_each_adapter_alone():
     b = [torch.randn(2, E, out, r, generator=gen) * 0.1 for out, _ in dims]
     scale = torch.tensor([1.5, 0.75])
     adapter = torch.arange(n) % 3 - 1  # -1, 0, 1, ...
-    out = routed_experts_mxfp4_adapters(z, idx, tw, packed, scales, adapter, a, b, scale, 4.0, 25.0)
+    served = AdapterWeights(PackedWeights(packed, scales), lambda rows: adapter, a, b, scale)
+    out = routed_experts(z, idx, tw, served, 4.0, 25.0)
     base = adapter == -1
     want = moe_reference.routed_experts_mxfp4(z, idx, tw, packed, scales, 4.0, 25.0)
     assert torch.equal(out[base], want[base]) and not torch.equal(out[~base], want[~base])
     for k in range(2):
         rows = adapter == k
-        alone = routed_experts_mxfp4_lora(z[rows], idx[rows], tw[rows], packed, scales, tuple(t[k] for t in a),
-                                          tuple(t[k] for t in b), scale[k].item(), 4.0, 25.0)
+        one = LoraWeights(PackedWeights(packed, scales), tuple(t[k] for t in a), tuple(t[k] for t in b),
+                          scale[k].item())
+        alone = routed_experts(z[rows], idx[rows], tw[rows], one, 4.0, 25.0)
         assert rel_err(out[rows], alone) < 1e-6

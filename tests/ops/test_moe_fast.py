@@ -84,7 +84,7 @@ def test_dispatch_cpu_is_reference():
     z = torch.randn(5, 64, generator=gen)
     idx, tw = routing(5, 2, 4, gen)
     packed, scales = mx_experts(4, 64, 96, gen)
-    out = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    out = moe.routed_experts(z, idx, tw, moe.PackedWeights(packed, scales), BETA, LINEAR_BETA)
     ref = reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
     assert torch.equal(out, ref)
 
@@ -111,7 +111,7 @@ def test_triton_mxfp4_interpreter(config, N, A, E, L, F):
     idx, tw = routing(N, A, E, gen)
     packed, scales = mx_experts(E, L, F, gen)
     c = CONFIGS[config]
-    out = triton_mxfp4._forward(z, idx, tw, packed, scales, BETA, LINEAR_BETA, c, c)
+    out = triton_mxfp4.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA, configs=(c, c))
     ref = reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
     # the interpreter multiplies the (exactly decoded) bf16 values in fp32, as the CPU reference does
     assert rel_err(out, ref) < 1e-3
@@ -127,7 +127,8 @@ def test_triton_mxfp4_interpreter_fp16_and_many_rows_per_expert():
     packed, scales = mx_experts(E, L, F, gen)
     for dtype in (torch.bfloat16, torch.float16):
         z = torch.randn(N, L, generator=gen).to(dtype)
-        out = triton_mxfp4._forward(z, idx, tw, packed, scales, BETA, LINEAR_BETA, CONFIGS["bm16"], CONFIGS["bm16"])
+        out = triton_mxfp4.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA,
+                                                 configs=(CONFIGS["bm16"], CONFIGS["bm16"]))
         ref = reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
         assert out.dtype == dtype
         assert rel_err(out, ref) < 1e-3
@@ -167,7 +168,7 @@ def test_decode_bf16_bit_exact_gpu():
     import triton
     import triton.language as tl
 
-    from kimik3.ops.moe.triton_mxfp4 import _decode_bf16
+    from kimik3.ops.mxfp4.triton import decode_tile_bf16
 
     @triton.jit
     def kernel(p_ptr, s_ptr, lo_ptr, hi_ptr, R: tl.constexpr, BKH: tl.constexpr):
@@ -176,7 +177,7 @@ def test_decode_bf16_bit_exact_gpu():
         g = tl.arange(0, BKH // 16)
         p = tl.load(p_ptr + r[:, None] * BKH + j[None, :])
         s = tl.load(s_ptr + r[:, None] * (BKH // 16) + g[None, :])
-        lo, hi = _decode_bf16(p, s, R, BKH)
+        lo, hi = decode_tile_bf16(p, s, R, BKH)
         tl.store(lo_ptr + r[:, None] * BKH + j[None, :], lo)
         tl.store(hi_ptr + r[:, None] * BKH + j[None, :], hi)
 
@@ -215,17 +216,17 @@ def test_triton_mxfp4_matches_reference_gpu(N, A, dims, record_property, monkeyp
     set_moe("triton")  # Humming, where installed, would take K3's widths
     z, idx, tw, packed, scales = _gpu_case(N, A, dims, seed=N + A)
     with use_backend("torch"):
-        ref = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+        ref = moe.routed_experts(z, idx, tw, moe.PackedWeights(packed, scales), BETA, LINEAR_BETA)
     poison_allocator("cuda", 64 * N * A * dims["L"] * 2)
-    out = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    out = moe.routed_experts(z, idx, tw, moe.PackedWeights(packed, scales), BETA, LINEAR_BETA)
     err = rel_err(out, ref)
     record_property("rel_err", err)
     print(f"mxfp4 triton N={N} A={A} {dims}: rel err {err:.2e}")
     assert out.dtype == torch.bfloat16 and err < 1e-2
     z16 = z.half()
     with use_backend("torch"):
-        ref16 = moe.routed_experts_mxfp4(z16, idx, tw, packed, scales, BETA, LINEAR_BETA)
-    assert rel_err(moe.routed_experts_mxfp4(z16, idx, tw, packed, scales, BETA, LINEAR_BETA), ref16) < 1e-2
+        ref16 = moe.routed_experts(z16, idx, tw, moe.PackedWeights(packed, scales), BETA, LINEAR_BETA)
+    assert rel_err(moe.routed_experts(z16, idx, tw, moe.PackedWeights(packed, scales), BETA, LINEAR_BETA), ref16) < 1e-2
 
 
 @gpu
@@ -241,7 +242,7 @@ def test_grouped_matches_reference_gpu(N, A, dims):
     dout = torch.randn(z.shape, device="cuda")
 
     def run():
-        out = moe.routed_experts(z, idx, tw, *ws, BETA, LINEAR_BETA)
+        out = moe.routed_experts(z, idx, tw, moe.DenseWeights(*ws), BETA, LINEAR_BETA)
         return out, torch.autograd.grad((out.float() * dout).sum(), [z, tw, *ws])
 
     with use_backend("torch"):

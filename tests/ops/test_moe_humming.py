@@ -1,4 +1,4 @@
-"""The Humming backend of `kimik3.ops.moe.routed_experts_mxfp4` and the W4A16 backend choice.
+"""The Humming backend of `kimik3.ops.moe.routed_experts` on packed experts and the W4A16 backend choice.
 
 CPU: the choice (`mxfp4_backend`: triton without CUDA, or when forced; a forced humming that cannot run is an
 error), Humming's routing tables, and the path's own code (tables, Triton SiTU and combine, under Triton's
@@ -52,7 +52,7 @@ def test_backend_choice_cpu(monkeypatch, set_moe):
     with pytest.raises(ValueError, match="KIMIK3_MOE_BACKEND=humming"):
         moe.experts_backend(z.device, torch.bfloat16, 3584, 3072)
     # the choice is made on the fast path only: a CPU call takes the reference whatever is forced
-    out = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    out = moe.routed_experts(z, idx, tw, moe.PackedWeights(packed, scales), BETA, LINEAR_BETA)
     assert torch.equal(out, reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA))
     with pytest.raises(ValueError, match="moe backend must be one of"):
         with use_backend(moe="cuda"):
@@ -149,7 +149,7 @@ def test_humming_path_emulated_matches_reference(monkeypatch, N, A, E):
     idx, tw = routing(N, A, E, gen)
     packed, scales = mx_experts(E, L, F, gen)
     w1, w3, w2 = (decode(p, s, torch.bfloat16) for p, s in zip(packed, scales))
-    relaid = humming.Relaid(torch.cat([w1, w3], dim=1), w2, E, F)
+    relaid = moe.RelaidWeights(torch.cat([w1, w3], dim=1), w2, E, F)
     monkeypatch.setattr(humming, "_prepared", lambda packed, scales: relaid)
     monkeypatch.setattr(humming, "_tuning", lambda layer, rows, device: ("{}", 16))
     monkeypatch.setattr(humming, "_gemm", lambda w, x, out, tables, top_k, tuning:
@@ -190,18 +190,18 @@ def test_humming_matches_reference_gpu(N, monkeypatch, record_property, set_moe)
     set_moe("humming")
     assert moe.mxfp4_backend(z, packed) == "humming"
     with use_backend("torch"):
-        ref = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+        ref = moe.routed_experts(z, idx, tw, moe.PackedWeights(packed, scales), BETA, LINEAR_BETA)
     poison_allocator("cuda", 64 * N * 16 * K3_DIMS["L"] * 2)
-    out = moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    out = moe.routed_experts(z, idx, tw, moe.PackedWeights(packed, scales), BETA, LINEAR_BETA)
     err = rel_err(out, ref)
     record_property("rel_err", err)
     print(f"mxfp4 humming N={N} A=16 {K3_DIMS}: rel err {err:.2e}")
     assert out.dtype == torch.bfloat16 and err < 1e-2
     # forced, the same kernels; forced triton, ours (the two agree to bf16 level)
     set_moe("humming")
-    assert torch.equal(moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA), out)
+    assert torch.equal(moe.routed_experts(z, idx, tw, moe.PackedWeights(packed, scales), BETA, LINEAR_BETA), out)
     set_moe("triton")
-    assert rel_err(moe.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA), ref) < 1e-2
+    assert rel_err(moe.routed_experts(z, idx, tw, moe.PackedWeights(packed, scales), BETA, LINEAR_BETA), ref) < 1e-2
 
 
 @gpu
@@ -300,7 +300,7 @@ def test_relayout_experts_one_copy_emulated(tiny_config, monkeypatch):
 
     def emulated_relayout(packed, scales):
         w1, w3, w2 = (decode(p, s, torch.bfloat16) for p, s in zip(packed, scales))
-        return humming.Relaid(torch.cat([w1, w3], dim=1), w2, w1.shape[0], w1.shape[1])
+        return moe.RelaidWeights(torch.cat([w1, w3], dim=1), w2, w1.shape[0], w1.shape[1])
 
     monkeypatch.setattr(humming, "relayout", emulated_relayout)
     assert relayout_experts(m) == 1 and isinstance(m.experts, RelaidExperts)
@@ -367,7 +367,7 @@ def test_tiling_token_counts_meet_every_tile_config(monkeypatch):
 
     bounds = (48, 200, 900)
     monkeypatch.setattr(humming, "_tuning", lambda layer, rows, device: (str(sum(rows > b for b in bounds)), 16))
-    relaid = humming.Relaid(None, None, 8, 64)
+    relaid = moe.RelaidWeights(None, None, 8, 64)
     counts = humming.tiling_token_counts(relaid, 100, 4, torch.device("cpu"))
     assert counts == sorted(counts) and counts[0] == 1
     key = lambda n: (sum(4 * n > b for b in bounds), max(16, 1 << (4 * n - 1).bit_length())  # noqa: E731

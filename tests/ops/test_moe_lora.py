@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimik3.ops.moe import reference, routed_experts_mxfp4_lora
-from kimik3.ops.moe.lora import packed_linear
+from kimik3.ops.lora import LoraWeights
+from kimik3.ops.lora.experts import packed_linear
+from kimik3.ops.moe import PackedWeights, reference, routed_experts
 from kimik3.ops.mxfp4 import decode
 from tests.helpers import needs_cuda_triton, needs_interpreter, patch_interpreter_index, rel_err
 from tests.ops.test_moe_fast import mx_experts, routing
@@ -60,7 +61,7 @@ def test_zero_b_is_the_packed_reference_bit_for_bit():
     idx, tw = routing(N, A, E, gen)
     packed, scales = mx_experts(E, L, F, gen)
     a, b = _factors(LAYOUTS["per_expert"], gen, zero_b=True)
-    out = routed_experts_mxfp4_lora(z, idx, tw, packed, scales, a, b, 2.0, BETA, LINEAR_BETA)
+    out = routed_experts(z, idx, tw, LoraWeights(PackedWeights(packed, scales), a, b, 2.0), BETA, LINEAR_BETA)
     assert torch.equal(out, reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA))
 
 
@@ -73,7 +74,7 @@ def test_forward_and_gradients_match_dense_autograd(layout):
     a, b = _factors(LAYOUTS[layout], gen)
     scale = 1.5
     dout = torch.randn(N, L, generator=gen)
-    out = routed_experts_mxfp4_lora(z, idx, tw, packed, scales, a, b, scale, BETA, LINEAR_BETA)
+    out = routed_experts(z, idx, tw, LoraWeights(PackedWeights(packed, scales), a, b, scale), BETA, LINEAR_BETA)
     grads = torch.autograd.grad(out, (z, *a, *b), dout)
     # the oracle: dense fp32 weights W + s B A, differentiable in z and the factors through plain autograd
     z2 = z.detach().clone().requires_grad_()
@@ -98,7 +99,7 @@ def test_backward_keeps_no_dense_expert_weight():
     a, b = _factors(LAYOUTS["per_expert"], gen)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
-        out = routed_experts_mxfp4_lora(z, idx, tw, packed, scales, a, b, 1.0, BETA, LINEAR_BETA)
+        out = routed_experts(z, idx, tw, LoraWeights(PackedWeights(packed, scales), a, b, 1.0), BETA, LINEAR_BETA)
     dense = [(d, s) for d, s in saved if d.is_floating_point and s[-2:] in ((F, L), (L, F))]
     assert not dense, dense
     assert any(d == torch.uint8 for d, _ in saved)  # the codes are what backward decodes again
@@ -121,6 +122,10 @@ def _lora_case(layout: str, seed: int, dtype: torch.dtype, device: str = "cpu", 
     return z, idx, tw, packed, scales, tuple(fa), tuple(fb), torch.randn(n, lat, generator=gen).to(device)
 
 
+def _dispatched(z, idx, tw, packed, scales, a, b, scale, beta, linear_beta):
+    return routed_experts(z, idx, tw, LoraWeights(PackedWeights(packed, scales), a, b, scale), beta, linear_beta)
+
+
 def _run(op, z, idx, tw, packed, scales, a, b, dout):
     out = op(z, idx, tw, packed, scales, a, b, 1.5, BETA, LINEAR_BETA)
     return out, torch.autograd.grad((out.float() * dout).sum(), (z, *a, *b))
@@ -132,7 +137,8 @@ def _run(op, z, idx, tw, packed, scales, a, b, dout):
 def test_grouped_lora_matches_the_reference_loop_interpreter(layout, chunked, monkeypatch):
     """The grouped path (grouped GEMMs on the CPU, the row kernels under Triton's interpreter) in fp32: forward and
     every gradient equal the per-expert loop to fp32 rounding, with the experts decoded whole or a chunk at a time."""
-    from kimik3.ops.moe import lora, lora_grouped
+    from kimik3.ops.lora import experts as lora
+    from kimik3.ops.lora import experts_grouped as lora_grouped
 
     patch_interpreter_index(monkeypatch)  # lowrank_add_ loops over the experts of its rows
     if chunked:  # two experts' decoded w1 per chunk: three chunks of 5 experts, one holding the empty expert 1
@@ -152,17 +158,16 @@ def test_grouped_lora_matches_the_reference_loop_gpu(layout):
     """On CUDA in bf16 the dispatcher takes the grouped path; against the per-expert loop (bf16, the reference ops)
     at K3's widths: bf16-level agreement of the output and every gradient, and no float copy of the experts kept
     for backward."""
-    from kimik3.ops import moe
     from kimik3.ops.backend import use_backend
 
     case = _lora_case(layout, 5, torch.bfloat16, "cuda", dims=(64, 16, 32, 3584, 3072), rank=16)
     z, idx, tw, packed, scales, a, b, dout = case
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        out, grads = _run(moe.routed_experts_mxfp4_lora, *case[:-1], dout)
+        out, grads = _run(_dispatched, *case[:-1], dout)
     assert not [s for s in saved if tuple(s[-2:]) in ((3072, 3584), (3584, 3072))]
     with use_backend("torch"):
-        ref, ref_grads = _run(moe.routed_experts_mxfp4_lora, *case[:-1], dout)
+        ref, ref_grads = _run(_dispatched, *case[:-1], dout)
     assert rel_err(out, ref) < 1e-2
     for name, g, r in zip(["z", "A1", "A3", "A2", "B1", "B3", "B2"], grads, ref_grads):
         assert rel_err(g, r) < 1e-2, (layout, name, rel_err(g, r))
@@ -184,7 +189,7 @@ def _lowrank_case(dtype, device, shared: bool, K: int, gen):
 def test_lowrank_add_matches_its_reference_interpreter(shared, K, monkeypatch):
     """`lora_grouped.lowrank_add_` (the rank-R GEMM with its add fused, in place) under Triton's interpreter in fp32:
     the per-expert loop's value to fp32 rounding, for per-expert and shared factors, ranks below and above 16."""
-    from kimik3.ops.moe import lora_grouped
+    from kimik3.ops.lora import experts_grouped as lora_grouped
 
     patch_interpreter_index(monkeypatch)
 
@@ -199,7 +204,7 @@ def test_lowrank_add_matches_its_reference_interpreter(shared, K, monkeypatch):
 @pytest.mark.parametrize("shared", [False, True])
 def test_lowrank_add_matches_its_reference_gpu(shared):
     """The same on CUDA in bf16 and fp32: fp32 sums rounded once, as the reference loop."""
-    from kimik3.ops.moe import lora_grouped
+    from kimik3.ops.lora import experts_grouped as lora_grouped
 
     for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-6)):
         c, t, f, e_M = _lowrank_case(dtype, "cuda", shared, 32, torch.Generator().manual_seed(7))

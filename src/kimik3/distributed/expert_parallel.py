@@ -5,9 +5,10 @@ per token, M = N*A routed rows sent, R rows received, L MoE latent width (3584 f
 
 `apply_expert_parallel(model, group)` keeps rank r's contiguous experts [r*El, (r+1)*El) of every MoE layer
 (`kimik3.checkpoint.sharded.slice_experts`: same class, same parameter names, leading dim El) and replaces that
-module's `forward` on the instance, as activation checkpointing does, so the unchanged `LatentMoE.forward`
-calls it exactly where the single-device experts ran. Router, latent down/up projections, latent norm and
-shared experts stay replicated and run on every rank's own tokens. Per MoE layer:
+module's `weights` on the instance, as activation checkpointing replaces a forward: the unchanged
+`LatentMoE.forward` then hands `routed_experts` an `ExpertParallelWeights` around the local experts' container.
+Router, latent down/up projections, latent norm and shared experts stay replicated and run on every rank's own
+tokens. Per MoE layer:
 
     counts [E]   rows this rank sends to each expert          -> all_to_all (equal splits, El per rank)
     splits       rows to / from each rank, read on the host    (the one host sync per layer: the variable
@@ -17,7 +18,7 @@ shared experts stay replicated and run on every rank's own tokens. Per MoE layer
     y [R, L]     local experts, each row through its one expert (weight 1): the output rounded to the compute
                  dtype, exactly what the single-device experts combine
     y [M, L]     <- all_to_all back, in the sent order; un-permuted to (token, slot)
-    r [N, L]     sum over the A slots of w * float(y) in fp32, cast to z's dtype
+    r [N, L]     sum over the A slots of w * float(y) in fp32, cast to z's dtype (`reference.combine`)
 
 Each token's slots are summed in ascending expert order, the reference's order, as a plain reduction (no
 atomics: deterministic on GPU too). Each expert sees the rows of all ranks in rank order, i.e. the rows of the
@@ -40,6 +41,7 @@ EP < DP the expert replicas would also need their gradients all-reduced (not imp
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import MethodType
@@ -52,8 +54,9 @@ from kimik3.checkpoint import load
 from kimik3.checkpoint.sharded import ExpertShard, slice_experts
 from kimik3.distributed.env import group_rank
 from kimik3.model.moe import LatentMoE
+from kimik3.ops.moe import ExpertWeights, reference, routed_experts
 
-# the forward of this rank's Experts / MXFP4Experts: (z [R, L], idx [R, 1], w [R, 1], beta, linear_beta) -> [R, L]
+# this rank's experts as they run on a single device: (z [R, L], idx [R, 1], w [R, 1], beta, linear_beta) -> [R, L]
 LocalExperts = Callable[[Tensor, Tensor, Tensor, float, float], Tensor]
 
 
@@ -86,11 +89,11 @@ def all_to_all(x: Tensor, send: list[int], recv: list[int], group=None) -> Tenso
 
 def routed_experts_ep(z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, local: LocalExperts, shard: ExpertShard,
                       group, beta: float, linear_beta: float) -> Tensor:
-    """The routed experts of one MoE layer over the EP group: same contract as `Experts.forward`.
+    """The routed experts of one MoE layer over the EP group: same contract as `kimik3.ops.moe.routed_experts`.
 
     Args:
         z_NL: [N, L] latent tokens (compute dtype); idx_NA [N, A] int64 global expert ids; w_NA [N, A] fp32.
-        local: the forward of this rank's El experts (local ids), as they run on a single device.
+        local: this rank's El experts (local ids), as they run on a single device.
         shard: which experts this rank holds; group: the EP process group (W == shard.world ranks).
 
     Returns:
@@ -98,8 +101,6 @@ def routed_experts_ep(z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, local: LocalEx
     """
     (N, A), W, El = idx_NA.shape, shard.world, shard.count
     M = N * A
-    idx_NA, perm_NA = torch.sort(idx_NA, dim=1)  # slots in ascending expert order: the reference's sum order
-    w_NA = w_NA.gather(1, perm_NA)
     e_M = idx_NA.reshape(-1)
     counts_E = torch.bincount(e_M, minlength=shard.num_experts)
     recv_counts_E = torch.empty_like(counts_E)
@@ -118,8 +119,21 @@ def routed_experts_ep(z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, local: LocalEx
         y_RL = x_RL  # empty, but keeps this rank's backward all-to-alls in the graph
     y_ML = all_to_all(y_RL, recv, send, group)
     slot_of_row = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(M, device=z_NL.device))
-    y_NAL = y_ML[slot_of_row].view(N, A, z_NL.shape[1])
-    return (y_NAL.float() * w_NA.float().unsqueeze(-1)).sum(1).to(z_NL.dtype)
+    return reference.combine(y_ML[slot_of_row], idx_NA, w_NA)
+
+
+@dataclass(frozen=True)
+class ExpertParallelWeights:
+    """This rank's experts (`local`, their single-device container) inside the EP group: `routed_experts_ep`."""
+    local: ExpertWeights
+    shard: ExpertShard
+    group: object
+
+    def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
+        def local(x, idx, w, b, lb):
+            return routed_experts(x, idx, w, self.local, b, lb)
+
+        return routed_experts_ep(z, topk_idx, topk_weight, local, self.shard, self.group, beta, linear_beta)
 
 
 def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
@@ -137,15 +151,14 @@ def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
         if not getattr(moe.experts, "_kimik3_expert_parallel", False):
             # bound to the module (a deepcopy rebinds to the copy's experts); the group rides in the partial,
             # which deepcopy shares (a ProcessGroup cannot be copied)
-            moe.experts.forward = MethodType(partial(_forward, group=group), moe.experts)
+            moe.experts.weights = MethodType(partial(_weights, group=group), moe.experts)
             moe.experts._kimik3_expert_parallel = True
     return model
 
 
-def _forward(experts: nn.Module, z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, beta: float, linear_beta: float, *,
-             group) -> Tensor:
-    local = type(experts).forward.__get__(experts)  # the class's single-device computation, on the local slice
-    return routed_experts_ep(z_NL, idx_NA, w_NA, local, experts.expert_shard, group, beta, linear_beta)
+def _weights(experts: nn.Module, *, group) -> ExpertParallelWeights:
+    # the class's single-device container, on the local slice
+    return ExpertParallelWeights(type(experts).weights(experts), experts.expert_shard, group)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

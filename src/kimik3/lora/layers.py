@@ -16,8 +16,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from kimik3.model.moe import MXFP4Experts
-from kimik3.ops.moe import routed_experts_mxfp4_lora
+from kimik3.model.moe import MXFP4Experts, RoutedExperts, packed_weights
+from kimik3.ops.lora import LoraWeights
 from kimik3.ops.mxfp4 import decode
 
 PROJECTIONS = ("w1", "w3", "w2")
@@ -63,7 +63,7 @@ class LoraLinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
 
 
-class LoraExperts(nn.Module):
+class LoraExperts(RoutedExperts):
     """The routed experts of one layer, MXFP4-packed and frozen, with LoRA factors (see the module docstring)."""
 
     def __init__(self, base: MXFP4Experts, rank: int, scale: float, sharing: dict[str, tuple[bool, bool]]):
@@ -89,11 +89,8 @@ class LoraExperts(nn.Module):
         return (tuple(getattr(self, f"{n}_lora_A") for n in PROJECTIONS),
                 tuple(getattr(self, f"{n}_lora_B") for n in PROJECTIONS))
 
-    def forward(self, z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, beta: float, linear_beta: float) -> Tensor:
-        packed = (self.w1_packed, self.w3_packed, self.w2_packed)
-        scales = (self.w1_scale, self.w3_scale, self.w2_scale)
-        a, b = self.factors()
-        return routed_experts_mxfp4_lora(z_NL, idx_NA, w_NA, packed, scales, a, b, self.scale, beta, linear_beta)
+    def weights(self) -> LoraWeights:
+        return LoraWeights(packed_weights(self), *self.factors(), self.scale)
 
     def delta(self, name: str) -> Tensor:
         """scale * B_e A_e for every expert: [E, out, in] fp32 (shared factors broadcast)."""

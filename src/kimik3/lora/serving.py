@@ -31,9 +31,8 @@ from torch import Tensor, nn
 from kimik3.lora.apply import UNSUPPORTED, released_prefix
 from kimik3.lora.layers import PROJECTIONS
 from kimik3.lora.peft import NESTING, PREFIX, WEIGHTS, _from_peft, read_config
-from kimik3.model.moe import MXFP4Experts
-from kimik3.ops.lora import lora_delta
-from kimik3.ops.moe import routed_experts_mxfp4, routed_experts_mxfp4_adapters
+from kimik3.model.moe import MXFP4Experts, RoutedExperts, packed_weights
+from kimik3.ops.lora import AdapterWeights, lora_delta
 
 NOT_ON_TOKEN_ROWS = ("kv_b_proj", "self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj")
 
@@ -90,7 +89,7 @@ class ServedLinear(nn.Linear):
         return y + lora_delta(x_NI, index, self.lora_A, self.lora_B, self.lora_scale).view(y.shape)
 
 
-class ServedExperts(nn.Module):
+class ServedExperts(RoutedExperts):
     """A layer's MXFP4-packed routed experts (the same buffers) plus K adapters' factors, one adapter per token."""
 
     def __init__(self, base: MXFP4Experts, name: str, rows: AdapterRows, factors: list[dict | None],
@@ -110,16 +109,11 @@ class ServedExperts(nn.Module):
             self.register_buffer(f"{p}_lora_B", _stack(b, (E, out, R), dtype, dev), persistent=False)
         self.register_buffer("lora_scale", torch.tensor(scale, dtype=torch.float32, device=dev), persistent=False)
 
-    def forward(self, z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, beta: float, linear_beta: float) -> Tensor:
-        packed = (self.w1_packed, self.w3_packed, self.w2_packed)
-        scales = (self.w1_scale, self.w3_scale, self.w2_scale)
-        index = self.adapter_rows.take(z_NL.shape[0], self.name)
-        if index is None:
-            return routed_experts_mxfp4(z_NL, idx_NA, w_NA, packed, scales, beta, linear_beta)
+    def weights(self) -> AdapterWeights:
         a = tuple(getattr(self, f"{p}_lora_A") for p in PROJECTIONS)
         b = tuple(getattr(self, f"{p}_lora_B") for p in PROJECTIONS)
-        return routed_experts_mxfp4_adapters(z_NL, idx_NA, w_NA, packed, scales, index, a, b, self.lora_scale,
-                                             beta, linear_beta)
+        return AdapterWeights(packed_weights(self), lambda rows: self.adapter_rows.take(rows, self.name), a, b,
+                              self.lora_scale)
 
 
 class ServedAdapters:

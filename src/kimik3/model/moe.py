@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from kimik3.config import TextConfig
 from kimik3.model.mlp import MLP
 from kimik3.model.norm import RMSNorm
-from kimik3.ops.moe import routed_experts, routed_experts_mxfp4, routed_experts_relaid, warm_relaid
+from kimik3.ops.moe import DenseWeights, ExpertWeights, PackedWeights, RelaidWeights, routed_experts, warm_relaid
 from kimik3.ops.mxfp4 import packed_shapes
 from kimik3.ops.router import route, router_logits
 
@@ -43,7 +43,20 @@ class Router(nn.Module):
                      self.scaling)
 
 
-class Experts(nn.Module):
+class RoutedExperts(nn.Module):
+    """What every holder of a layer's routed experts shares: it owns the tensors under their checkpoint names, and
+    its `weights()` hands them to `kimik3.ops.moe.routed_experts` as the container that says how they are held
+    (dense, packed, re-laid out, tiered, with adapters). The forward is that one call: PEFT's parameter
+    targets and expert parallelism hook the module or its `weights`, never a forward of their own."""
+
+    def weights(self) -> ExpertWeights:
+        raise NotImplementedError
+
+    def forward(self, z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, beta: float, linear_beta: float) -> Tensor:
+        return routed_experts(z_NL, idx_NA, w_NA, self.weights(), beta, linear_beta)
+
+
+class Experts(RoutedExperts):
     """The E routed experts, stacked: w1 (gate) and w3 (up) [E, F, L], w2 (down) [E, L, F].
 
     The checkpoint stores them per expert (`experts.{e}.w1.weight_packed` ...); the key map unstacks them.
@@ -55,11 +68,11 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, width, latent, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, width, dtype=dtype))
 
-    def forward(self, z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, beta: float, linear_beta: float) -> Tensor:
-        return routed_experts(z_NL, idx_NA, w_NA, self.w1, self.w3, self.w2, beta, linear_beta)
+    def weights(self) -> ExpertWeights:
+        return DenseWeights(self.w1, self.w3, self.w2)
 
 
-class MXFP4Experts(nn.Module):
+class MXFP4Experts(RoutedExperts):
     """The routed experts kept MXFP4-packed in memory (W4A16): `w{1,3,2}_packed` uint8 [E, out, in/2] and
     `w{1,3,2}_scale` uint8 E8M0 [E, out, in/32], buffers (packed weights are not trained).
 
@@ -73,14 +86,18 @@ class MXFP4Experts(nn.Module):
             self.register_buffer(f"{name}_packed", torch.empty(num_experts, *p_shape, dtype=torch.uint8))
             self.register_buffer(f"{name}_scale", torch.empty(num_experts, *s_shape, dtype=torch.uint8))
 
-    def forward(self, z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, beta: float, linear_beta: float) -> Tensor:
-        packed = (self.w1_packed, self.w3_packed, self.w2_packed)
-        scales = (self.w1_scale, self.w3_scale, self.w2_scale)
-        return routed_experts_mxfp4(z_NL, idx_NA, w_NA, packed, scales, beta, linear_beta)
+    def weights(self) -> PackedWeights:
+        return packed_weights(self)
 
 
-class RelaidExperts(nn.Module):
-    """The routed experts in Humming's MoE GEMM layout (`kimik3.ops.moe.humming.Relaid`), built by
+def packed_weights(module: nn.Module) -> PackedWeights:
+    """The `w{1,3,2}_packed` / `w{1,3,2}_scale` buffers of `module` (an expert holder over packed experts)."""
+    return PackedWeights(tuple(getattr(module, f"{p}_packed") for p in ("w1", "w3", "w2")),
+                         tuple(getattr(module, f"{p}_scale") for p in ("w1", "w3", "w2")))
+
+
+class RelaidExperts(RoutedExperts):
+    """The routed experts in Humming's MoE GEMM layout (`kimik3.ops.moe.RelaidWeights`), built by
     `kimik3.quant.relayout_experts` from an `MXFP4Experts` whose stored codes it replaces: inference only, bf16
     on Hopper.
 
@@ -88,12 +105,12 @@ class RelaidExperts(nn.Module):
     `kimik3.load` could not read.
     """
 
-    def __init__(self, relaid):
+    def __init__(self, relaid: RelaidWeights):
         super().__init__()
         self.relaid = relaid
 
-    def forward(self, z_NL: Tensor, idx_NA: Tensor, w_NA: Tensor, beta: float, linear_beta: float) -> Tensor:
-        return routed_experts_relaid(z_NL, idx_NA, w_NA, self.relaid, beta, linear_beta)
+    def weights(self) -> RelaidWeights:
+        return self.relaid
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         raise RuntimeError(f"{prefix or 'experts.'}: the routed experts were re-laid out for Humming's kernels "

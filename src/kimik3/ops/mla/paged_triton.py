@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.mla.reference import query_rows
-from kimik3.ops.situ.triton import interpreting, round_to
+from kimik3.ops.triton_utils import interpreting, round_to
 
 __all__ = ["launch_shape", "paged_latent_attention"]
 

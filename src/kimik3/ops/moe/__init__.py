@@ -1,30 +1,41 @@
-"""Routed-expert computation of the latent MoE; grouped-GEMM and MXFP4 GPU paths are dispatched here.
+"""Routed-expert computation of the latent MoE: one public function over any container of the experts' weights.
 
-CUDA tensors take the fast paths unless `kimik3.ops.backend.use_backend("torch")` is in force: bf16
-`routed_experts` runs three `torch._grouped_mm` (`.grouped`, differentiable); `routed_experts_mxfp4` with
-bf16/fp16 activations runs a W4A16 backend (inference only: with autograd recording a z that requires grad it
-takes the reference). Everything else runs `.reference`.
+Legend: N tokens, A active experts per token, E experts, L latent width, F expert width.
+
+    routed_experts(z [N, L], topk_idx [N, A], topk_weight [N, A], experts, beta, linear_beta) -> [N, L]
+
+`experts` holds the weights and says how they are held; its `routed` method runs the call (the seam DeepSeek's
+`linear()` is for quantized weights: one call site in `LatentMoE`, the choice made here, by the container):
+    DenseWeights        stacked bf16/fp32 experts: three `torch._grouped_mm` on CUDA bf16 (`.grouped`,
+                        differentiable), else `.reference`
+    PackedWeights       MXFP4 stored bytes (W4A16): a W4A16 backend on CUDA bf16/fp16 (inference), else
+                        `.reference`, which decodes each expert exactly (equal to DenseWeights of the decoded weights)
+    RelaidWeights       Humming's layout (`kimik3.quant.relayout_experts`, inference on Hopper): Humming only
+    TieredWeights       `.tiered`: every expert in host memory, the hot ones in a device cache of slots
+                        (`kimik3.placement.tier_experts`)
+    LoraWeights, AdapterWeights (`kimik3.ops.lora`): LoRA over packed experts, trained or served per row;
+    expert parallelism's container (`kimik3.distributed.expert_parallel`): experts sharded over ranks.
 
 The W4A16 backend, imported on first use:
     humming  Humming's MoE GEMM (`.humming`; the `gpu` extra's humming-kernels) where it can run: bf16 z on a
-             compute capability 9.x device, L a multiple of 256 and F of 128 (K3's widths). Measured on an H200
-             at K3's 896 experts, top-16 (2026-12-01, one process with ours): 1.49 / 5.79 / 12.29 ms at 16 / 256 /
-             4096 tokens against Triton's 1.79 / 6.99 / 25.78, faster at every size measured.
-    triton   our Triton kernels (`.triton_mxfp4`): for fp16, other GPUs, other widths, and stored bytes.
-Humming wants its own weight layout. `routed_experts_relaid` runs experts already re-laid out (one copy:
-`kimik3.quant.relayout_experts` does this to a model for inference, where `experts_backend` picks humming).
-`routed_experts_mxfp4` on the stored bytes runs Triton, or Humming on a second copy kept beside them when forced.
+             compute capability 9.x device, L a multiple of 256 and F of 128 (K3's widths); faster than ours at
+             every size measured (BENCHMARKS.md, MoE).
+    triton   our Triton kernels (`.triton_mxfp4`): for fp16, other GPUs, other widths, stored bytes and the tiers.
+Humming wants its own weight layout: `RelaidWeights` is experts already re-laid out (one copy); `PackedWeights`
+runs Triton, or Humming on a second copy kept beside the stored bytes when forced.
 `kimik3.ops.backend.use_backend(moe=...)` picks (the CLI sets it once from KIMIK3_MOE_BACKEND):
     auto     (default) re-laid-out experts where Humming can run; stored bytes run Triton (no second copy)
-    humming  as auto, and `routed_experts_mxfp4` on stored bytes runs Humming on a second copy; where Humming
-             cannot run it is an error that says why, not a silent fallback
+    humming  as auto, and stored bytes run Humming on a second copy; where Humming cannot run it is an error that
+             says why, not a silent fallback
     triton   never Humming
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from functools import cache
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -32,125 +43,110 @@ from torch import Tensor
 from kimik3.ops.backend import MOE_BACKENDS, has_triton, moe_backend, use_fast
 from kimik3.ops.moe import reference
 
+__all__ = ["DenseWeights", "ExpertWeights", "PackedWeights", "RelaidWeights", "routed_experts", "experts_backend",
+           "warm_relaid", "MOE_BACKENDS"]
 
-def routed_experts(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
-                   beta: float, linear_beta: float) -> Tensor:
+Triple = tuple[Tensor, Tensor, Tensor]  # (w1, w3, w2)
+
+
+class ExpertWeights(Protocol):
+    """What `routed_experts` computes with: the weights, and how the call runs on them."""
+
+    def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
+        ...
+
+
+def routed_experts(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts: ExpertWeights, beta: float,
+                   linear_beta: float) -> Tensor:
     """Run each token through its selected experts and combine them.
 
     Args:
         z: [N, L] latent tokens (compute dtype).
-        topk_idx: [N, A] int64 selected experts.
+        topk_idx: [N, A] int64 selected experts, in [0, E) (not checked: that would need the host).
         topk_weight: [N, A] fp32 combine weights (already renormalized and scaled).
-        w1, w3: [E, F, L] gate and up projections; w2: [E, L, F] down projection (compute dtype).
+        experts: the E experts' weights (see the module docstring).
         beta, linear_beta: SiTU constants.
 
     Returns:
         [N, L] in `z.dtype`: sum over the A experts of weight * expert output, accumulated in fp32 after each
-        expert's output is rounded to the compute dtype.
+        expert's output is rounded to the compute dtype. Each expert computes w2(SiTU([w1 z | w3 z])), its matmuls
+        rounded to the compute dtype.
     """
-    if use_fast(z) and z.dtype == torch.bfloat16:
-        from kimik3.ops.moe import grouped
-
-        return grouped.routed_experts(z, topk_idx, topk_weight, w1, w3, w2, beta, linear_beta)
-    return reference.routed_experts(z, topk_idx, topk_weight, w1, w3, w2, beta, linear_beta)
+    return experts.routed(z, topk_idx, topk_weight, beta, linear_beta)
 
 
-def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: tuple[Tensor, Tensor, Tensor],
-                         scales: tuple[Tensor, Tensor, Tensor], beta: float, linear_beta: float) -> Tensor:
-    """`routed_experts` with the expert weights kept MXFP4-packed (W4A16): the same function.
+@dataclass(frozen=True)
+class DenseWeights:
+    """w1, w3 [E, F, L] gate and up projections; w2 [E, L, F] down projection (compute dtype, or fp32 masters)."""
+    w1: Tensor
+    w3: Tensor
+    w2: Tensor
 
-    The reference decodes each expert exactly and equals `routed_experts` on the decoded weights bit for bit;
-    the Triton and Humming paths decode exactly too but sum the matmuls in their own order (bf16-level
-    differences).
+    def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
+        if use_fast(z) and z.dtype == torch.bfloat16:
+            from kimik3.ops.moe import grouped
 
-    Args:
-        packed: (w1, w3, w2) uint8 codes [E, F, L/2], [E, F, L/2], [E, L, F/2].
-        scales: (w1, w3, w2) uint8 E8M0 scales [E, F, L/32], [E, F, L/32], [E, L, F/32].
-        other arguments: as `routed_experts`.
-    """
-    if (use_fast(z) and z.dtype in (torch.bfloat16, torch.float16) and has_triton()
-            and not (z.requires_grad and torch.is_grad_enabled())):
-        if mxfp4_backend(z, packed) == "humming":
-            from kimik3.ops.moe import humming as fast
-        else:
-            from kimik3.ops.moe import triton_mxfp4 as fast
-        return fast.routed_experts_mxfp4(z, topk_idx, topk_weight, packed, scales, beta, linear_beta)
-    return reference.routed_experts_mxfp4(z, topk_idx, topk_weight, packed, scales, beta, linear_beta)
+            return grouped.routed_experts(z, topk_idx, topk_weight, self.w1, self.w3, self.w2, beta, linear_beta)
+        return reference.routed_experts(z, topk_idx, topk_weight, self.w1, self.w3, self.w2, beta, linear_beta)
 
 
+@dataclass(frozen=True)
+class PackedWeights:
+    """MXFP4 stored bytes (the checkpoint's): codes (w1, w3, w2) uint8 [E, F, L/2], [E, F, L/2], [E, L, F/2] and
+    E8M0 scales [E, F, L/32], [E, F, L/32], [E, L, F/32]. Decoding is exact, so the function is DenseWeights' on
+    the decoded weights; the fast paths sum the matmuls in their own order (bf16-level differences)."""
+    packed: Triple
+    scales: Triple
 
-def routed_experts_mxfp4_lora(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: tuple[Tensor, Tensor, Tensor],
-                              scales: tuple[Tensor, Tensor, Tensor], lora_a: tuple[Tensor, Tensor, Tensor],
-                              lora_b: tuple[Tensor, Tensor, Tensor], scale: float, beta: float,
-                              linear_beta: float) -> Tensor:
-    """`routed_experts_mxfp4` with LoRA factors on every expert's w1, w3, w2 over the frozen packed weights:
-    forward, and backward for z and the factors only. Reference: `.lora`'s per-expert loop; bf16 on CUDA with
-    Triton runs `.lora_grouped` (a grouped GEMM per projection over a transient decode of the codes).
+    @property
+    def num_experts(self) -> int:
+        return self.packed[0].shape[0]
 
-    Args:
-        lora_a: (A1 [E', R, L], A3 [E', R, L], A2 [E', R, F]); lora_b: (B1 [E', F, R], B3 [E', F, R],
-            B2 [E', L, R]); E' is E (per expert) or 1 (shared by the layer's experts).
-        scale: the LoRA scale (alpha / R).
-        other arguments: as `routed_experts_mxfp4`.
-    """
-    if use_fast(z) and has_triton():
-        from kimik3.ops.moe import lora_grouped
-
-        if lora_grouped.supports(z, lora_a):
-            return lora_grouped.routed_experts_mxfp4_lora(z, topk_idx, topk_weight, packed, scales, lora_a, lora_b,
-                                                          scale, beta, linear_beta)
-    from kimik3.ops.moe import lora
-
-    return lora.routed_experts_mxfp4_lora(z, topk_idx, topk_weight, packed, scales, lora_a, lora_b, scale, beta,
-                                          linear_beta)
+    def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
+        if use_fast(z) and z.dtype in (torch.bfloat16, torch.float16) and has_triton() \
+                and not (z.requires_grad and torch.is_grad_enabled()):
+            if mxfp4_backend(z, self.packed) == "humming":
+                from kimik3.ops.moe import humming as fast
+            else:
+                from kimik3.ops.moe import triton_mxfp4 as fast
+            return fast.routed_experts_mxfp4(z, topk_idx, topk_weight, self.packed, self.scales, beta, linear_beta)
+        return reference.routed_experts_mxfp4(z, topk_idx, topk_weight, self.packed, self.scales, beta, linear_beta)
 
 
-def routed_experts_mxfp4_adapters(z: Tensor, topk_idx: Tensor, topk_weight: Tensor,
-                                  packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor],
-                                  adapter: Tensor, lora_a: tuple[Tensor, Tensor, Tensor],
-                                  lora_b: tuple[Tensor, Tensor, Tensor], scale: Tensor, beta: float,
-                                  linear_beta: float) -> Tensor:
-    """`routed_experts_mxfp4` for tokens of different LoRA adapters in one batch (serving): each expert's base
-    matmul shared by all its tokens, the adapters' updates grouped per adapter (`kimik3.ops.lora.lora_delta`).
-    `.lora`'s per-expert loop on every device for now (it reads expert counts on the host).
+@dataclass(frozen=True)
+class RelaidWeights:
+    """The experts in Humming's MoE GEMM layout (`humming.relayout` of the packed codes and scales): [w1; w3] as
+    one [E, 2F, L] layer and w2 [E, L, F] (each Humming's layer config and tensors). Inference only, bf16 on
+    Hopper; its reference is PackedWeights on the stored bytes."""
+    w13: object  # kimik3.ops.moe.humming.Layer
+    w2: object
+    num_experts: int  # E
+    width: int  # F
 
-    Args:
-        adapter: [N] int64 adapter of each token, -1 for none (that token's result is the base's).
-        lora_a, lora_b: the K adapters' factors per projection, [K, E, R, in] and [K, E, out, R].
-        scale: [K] fp32 each adapter's alpha / rank.
-        other arguments: as `routed_experts_mxfp4`.
-    """
-    from kimik3.ops.moe import lora
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in (self.w13, self.w2) for t in layer.tensors.values())
 
-    return lora.routed_experts_mxfp4_adapters(z, topk_idx, topk_weight, packed, scales, adapter, lora_a, lora_b,
-                                              scale, beta, linear_beta)
+    def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
+        """Raises ValueError for a call Humming cannot run (`humming.unsupported_for`) or one that asks for a
+        gradient."""
+        from kimik3.ops.moe import humming
 
-
-def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, relaid, beta: float,
-                          linear_beta: float) -> Tensor:
-    """`routed_experts_mxfp4` on experts in Humming's layout (`humming.relayout` of the packed codes and scales):
-    the same function, Humming's kernels only (its reference: `routed_experts_mxfp4` on the stored bytes).
-
-    Raises:
-        ValueError: a call Humming cannot run (see `humming.unsupported_for`), or one that asks for a gradient.
-    """
-    from kimik3.ops.moe import humming
-
-    why = humming.unsupported_for(z.device, z.dtype, z.shape[1], relaid.width)
-    if why is None and z.requires_grad and torch.is_grad_enabled():
-        why = "is inference only (a gradient was asked for)"
-    if why is not None:
-        raise ValueError(f"experts re-laid out for Humming: its MoE GEMM {why}; load the model again without "
-                         "relayout_experts (or with use_backend(moe='triton'), KIMIK3_MOE_BACKEND=triton) to run "
-                         "them elsewhere")
-    return humming.routed_experts_relaid(z, topk_idx, topk_weight, relaid, beta, linear_beta)
+        why = humming.unsupported_for(z.device, z.dtype, z.shape[1], self.width)
+        if why is None and z.requires_grad and torch.is_grad_enabled():
+            why = "is inference only (a gradient was asked for)"
+        if why is not None:
+            raise ValueError(f"experts re-laid out for Humming: its MoE GEMM {why}; load the model again without "
+                             "relayout_experts (or with use_backend(moe='triton'), KIMIK3_MOE_BACKEND=triton) to "
+                             "run them elsewhere")
+        return humming.routed_experts_relaid(z, topk_idx, topk_weight, self, beta, linear_beta)
 
 
-def warm_relaid(relaid, max_tokens: int, top_k: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Compile every Humming kernel that `routed_experts_relaid` on these experts meets for calls of up to
-    `max_tokens` tokens (`humming.tiling_token_counts`), by one call at each count on zero inputs; returns the
-    number of calls. An engine runs this in its warm-up: otherwise a step whose routed-row count falls in a new
-    tile config waits seconds for a JIT compile."""
+def warm_relaid(relaid: RelaidWeights, max_tokens: int, top_k: int, dtype: torch.dtype,
+                device: torch.device) -> int:
+    """Compile every Humming kernel that `routed_experts` on these experts meets for calls of up to `max_tokens`
+    tokens (`humming.tiling_token_counts`), by one call at each count on zero inputs; returns the number of calls.
+    An engine runs this in its warm-up: otherwise a step whose routed-row count falls in a new tile config waits
+    seconds for a JIT compile."""
     from kimik3.ops.moe import humming
 
     counts = humming.tiling_token_counts(relaid, max_tokens, top_k, device)
@@ -160,9 +156,6 @@ def warm_relaid(relaid, max_tokens: int, top_k: int, dtype: torch.dtype, device:
         idx = (torch.arange(n * top_k, device=device) % E).view(n, top_k)
         humming.routed_experts_relaid(z, idx, torch.full((n, top_k), 1 / top_k, device=device), relaid, 1.0, 0.0)
     return len(counts)
-
-
-MXFP4_BACKENDS = MOE_BACKENDS
 
 
 @cache
@@ -200,9 +193,9 @@ def experts_backend(device: torch.device, dtype: torch.dtype, L: int, F: int) ->
     return "triton"
 
 
-def mxfp4_backend(z: Tensor, packed: tuple[Tensor, Tensor, Tensor]) -> str:
-    """"humming" or "triton": the W4A16 kernels `routed_experts_mxfp4` runs on stored bytes for these inputs on its
-    fast path: humming only where the MoE backend is "humming" (it keeps a second copy of the weights).
+def mxfp4_backend(z: Tensor, packed: Triple) -> str:
+    """"humming" or "triton": the W4A16 kernels `PackedWeights` runs on for these inputs on its fast path: humming
+    only where the MoE backend is "humming" (it keeps a second copy of the weights).
 
     Raises:
         ValueError: the MoE backend forces humming where Humming cannot run.

@@ -24,23 +24,26 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kimik3.ops.situ.triton import interpreting, round_to
+from kimik3.ops.triton_utils import interpreting, round_to
 
-__all__ = ["combine", "dispatch", "inverse"]
+__all__ = ["combine", "dispatch", "inverse", "slot_sum"]
 
 BLOCK_L = 512
 
 
 @triton.jit
 def _sum_rows_kernel(rows_ptr, inv_ptr, w_ptr, out_ptr, L: tl.constexpr, A: tl.constexpr, HAS_W: tl.constexpr,
-                     BLOCK_L: tl.constexpr, INTERPRET: tl.constexpr):
-    """out[n, l-block] = sum_a (w[n, a] *) rows[inv[n, a], l-block], in fp32, rounded once."""
+                     HAS_INV: tl.constexpr, BLOCK_L: tl.constexpr, INTERPRET: tl.constexpr):
+    """out[n, l-block] = sum_a (w[n, a] *) rows[inv[n, a] (or n * A + a), l-block], in fp32, rounded once."""
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     mask = cols < L
     acc = tl.zeros([BLOCK_L], dtype=tl.float32)
     for a in range(A):
-        row = tl.load(inv_ptr + n * A + a).to(tl.int64)
+        if HAS_INV:
+            row = tl.load(inv_ptr + n * A + a).to(tl.int64)
+        else:
+            row = n * A + a
         x = tl.load(rows_ptr + row * L + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_W:
             x = x * tl.load(w_ptr + n * A + a)
@@ -67,14 +70,16 @@ def _combine_backward_kernel(d_out_ptr, y_ptr, inv_ptr, w_ptr, d_y_ptr, d_w_ptr,
     tl.store(d_w_ptr + i, tl.sum(dot, axis=0))
 
 
-def _sum_rows(rows_ML: Tensor, inv_NA: Tensor, w_NA: Tensor | None, dtype: torch.dtype) -> Tensor:
-    N, A = inv_NA.shape
+def _sum_rows(rows_ML: Tensor, inv_NA: Tensor | None, w_NA: Tensor | None, dtype: torch.dtype,
+              shape: tuple[int, int] | None = None) -> Tensor:
+    N, A = inv_NA.shape if inv_NA is not None else shape
     L = rows_ML.shape[1]
     out = torch.empty(N, L, dtype=dtype, device=rows_ML.device)
     if N and L:
+        some = inv_NA if inv_NA is not None else rows_ML  # a pointer for the arguments a constexpr switches off
         _sum_rows_kernel[(N, triton.cdiv(L, BLOCK_L))](
-            rows_ML, inv_NA, w_NA if w_NA is not None else inv_NA, out, L, A=A, HAS_W=w_NA is not None,
-            BLOCK_L=BLOCK_L, INTERPRET=interpreting(), num_warps=4)
+            rows_ML, some, w_NA if w_NA is not None else some, out, L, A=A, HAS_W=w_NA is not None,
+            HAS_INV=inv_NA is not None, BLOCK_L=BLOCK_L, INTERPRET=interpreting(), num_warps=4)
     return out
 
 
@@ -119,6 +124,12 @@ def dispatch(z_NL: Tensor, tok_M: Tensor, inv_NA: Tensor) -> Tensor:
 def combine(y_ML: Tensor, inv_NA: Tensor, w_NA: Tensor) -> Tensor:
     """[N, L] in y's dtype: sum_a w[n, a] y[inv[n, a]] in fp32, rounded once; `reference_combine`'s value."""
     return _Combine.apply(y_ML, inv_NA, w_NA)
+
+
+def slot_sum(y_ML: Tensor, w_NA: Tensor) -> Tensor:
+    """[N, L] in y's dtype: sum_a w[n, a] y[n * A + a] in fp32 in slot order, rounded once (inference: no
+    autograd). The combine of the W4A16 kernels, whose rows come back in (token, slot) order."""
+    return _sum_rows(y_ML, None, w_NA.float().contiguous(), y_ML.dtype, tuple(w_NA.shape))
 
 
 def inverse(order_M: Tensor, N: int, A: int) -> Tensor:

@@ -13,12 +13,12 @@ inputs, decoded exactly in the GEMM's main loop, fp32 accumulation, bf16 out. Pe
              its heuristic tiles with stream-K off, see `_tuning`).
     SiTU     one Triton pass, `kimik3.ops.situ`'s device function in fp32: h [M, F] = SiTU(g13[:, :F], g13[:, F:]).
     gemm2    Humming INDEXED GEMM, top_k 1: y [M, L] = h @ w2^T per row's expert, rounded to bf16.
-    combine  the Triton path's slot-order fp32 combine (`triton_mxfp4._combine_kernel`).
+    combine  the W4A16 kernels' slot-order fp32 combine (`combine.slot_sum`).
 Humming has no activation epilogue, so h makes one round trip through memory (M*3F*2 bytes).
 
 Humming wants its own weight layout (`relayout`: `humming.transform`, a copy as large as the packed experts).
 Two ways to hold it:
-    one copy   `relayout` once, drop the stored bytes, call `routed_experts_relaid` (what
+    one copy   `relayout` once, drop the stored bytes, compute with the `RelaidWeights` it returns (what
                `kimik3.quant.relayout_experts` does to a model for inference: expert memory unchanged).
     two copies `routed_experts_mxfp4` on the stored bytes re-lays out on its first call and keeps the result on
                the w1 packed tensor, keyed by the six tensors' storage and version counters (`_prepared`): a
@@ -37,28 +37,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kimik3.ops.moe.triton_mxfp4 import _combine_kernel
-from kimik3.ops.situ.triton import interpreting, round_to, situ
+from kimik3.ops.moe import RelaidWeights
+from kimik3.ops.moe.combine import slot_sum
+from kimik3.ops.situ.triton import situ
+from kimik3.ops.triton_utils import interpreting, round_to
 
 BLOCK = 2048  # SiTU elements per program
 COMPUTE = json.dumps({"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"})
 _CACHE = "_kimik3_humming"  # attribute on the w1 packed tensor holding (key, layers)
 
 
-class _Layer(NamedTuple):
+class Layer(NamedTuple):
     config: object  # humming.config.LayerConfig
     tensors: dict[str, Tensor]  # Humming's weight, weight_scale (and weight_scale_2 where its transform adds one)
-
-
-class Relaid(NamedTuple):
-    """The routed experts in Humming's layout: [w1; w3] as one [E, 2F, L] layer and w2 [E, L, F]."""
-    w13: _Layer
-    w2: _Layer
-    num_experts: int  # E
-    width: int  # F
-
-    def nbytes(self) -> int:
-        return sum(t.nbytes for layer in (self.w13, self.w2) for t in layer.tensors.values())
 
 
 def unsupported(z: Tensor, packed: tuple[Tensor, Tensor, Tensor]) -> str | None:
@@ -86,7 +77,7 @@ def _version(t: Tensor) -> int:
         return -1
 
 
-def _relayout(packed: Tensor, scale: Tensor, shape_n: int, shape_k: int) -> _Layer:
+def _relayout(packed: Tensor, scale: Tensor, shape_n: int, shape_k: int) -> Layer:
     """MXFP4 bytes [E, n, k/2] and E8M0 bytes [E, n, k/32] -> Humming's layout, the values unchanged."""
     from humming import dtypes
     from humming.schema import HummingWeightSchema
@@ -99,19 +90,19 @@ def _relayout(packed: Tensor, scale: Tensor, shape_n: int, shape_k: int) -> _Lay
     config = prepare_layer_config(shape_n=shape_n, shape_k=shape_k, weight_schema=schema,
                                   num_experts=packed.shape[0], pad_n_to_multiple=256, pad_k_to_multiple=128,
                                   torch_dtype=torch.bfloat16, device=packed.device, tensors=tensors)
-    return _Layer(config, transform_humming_tensors(config, tensors))
+    return Layer(config, transform_humming_tensors(config, tensors))
 
 
-def relayout(packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor]) -> Relaid:
+def relayout(packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor]) -> RelaidWeights:
     """The experts' MXFP4 codes and scales (as `routed_experts_mxfp4` takes them) in Humming's layout, a new copy
     on their device (the inputs are not changed)."""
     (w1p, w3p, w2p), (w1s, w3s, w2s) = packed, scales
     E, F, L = w1p.shape[0], w1p.shape[1], w1p.shape[2] * 2
     w13 = _relayout(torch.cat([w1p, w3p], dim=1), torch.cat([w1s, w3s], dim=1), 2 * F, L)
-    return Relaid(w13, _relayout(w2p, w2s, L, F), E, F)
+    return RelaidWeights(w13, _relayout(w2p, w2s, L, F), E, F)
 
 
-def _prepared(packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor]) -> Relaid:
+def _prepared(packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor]) -> RelaidWeights:
     """`relayout` of these tensors, made on the first call for them and kept on packed[0] (a second copy)."""
     key = tuple((t.data_ptr(), _version(t), tuple(t.shape)) for t in (*packed, *scales))
     cached = getattr(packed[0], _CACHE, None)
@@ -123,7 +114,7 @@ def _prepared(packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tenso
     return relaid
 
 
-def _tuning(layer: _Layer, rows: int, device: torch.device) -> tuple[str, int]:
+def _tuning(layer: Layer, rows: int, device: torch.device) -> tuple[str, int]:
     """(Humming's heuristic tile config for `rows` routed rows, as JSON; its row block BM), without stream-K.
 
     Stream-K splits a tile's K loop over CTAs, and each CTA adds its partial sum into the bf16 output (its
@@ -228,7 +219,7 @@ def _tables_reference(topk_idx: Tensor, num_experts: int, bm: int) -> tuple[Tens
     return sorted_ids, expert_ids, pad_end[-1:].to(torch.int32)
 
 
-def _gemm(layer: _Layer, x: Tensor, out: Tensor, tables: tuple[Tensor, Tensor, Tensor], top_k: int,
+def _gemm(layer: Layer, x: Tensor, out: Tensor, tables: tuple[Tensor, Tensor, Tensor], top_k: int,
           tuning: str) -> None:
     """out[r] = x[r // top_k] @ W[expert of r]^T for every routed row r (Humming INDEXED, into `out`)."""
     from humming.forward import humming_forward
@@ -263,7 +254,7 @@ def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packe
     return routed_experts_relaid(z, topk_idx, topk_weight, _prepared(packed, scales), beta, linear_beta)
 
 
-def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, relaid: Relaid, beta: float,
+def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, relaid: RelaidWeights, beta: float,
                           linear_beta: float) -> Tensor:
     """`routed_experts_mxfp4` on weights already in Humming's layout (`relayout`): the same function."""
     (N, L), A = z.shape, topk_idx.shape[1]
@@ -284,14 +275,10 @@ def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, rela
                                                BLOCK=BLOCK, INTERPRET=interpret, num_warps=8)
     y = torch.empty(M, L, dtype=z.dtype, device=z.device)
     _gemm(w2, h, y, tables2, 1, t2)
-    out = torch.empty_like(z)
-    bl = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(N, triton.cdiv(L, bl))](y, topk_weight.float().contiguous(), out, A=A, L=L, BL=bl,
-                                              INTERPRET=interpret, num_warps=4)
-    return out
+    return slot_sum(y, topk_weight)
 
 
-def tiling_token_counts(relaid: Relaid, max_tokens: int, top_k: int, device: torch.device) -> list[int]:
+def tiling_token_counts(relaid: RelaidWeights, max_tokens: int, top_k: int, device: torch.device) -> list[int]:
     """Token counts in 1..max_tokens that between them meet every kernel a call of up to `max_tokens` tokens
     compiles: the smallest count at which the routed rows (tokens x top_k) pick each distinct pair of Humming
     tile configs (its heuristics change tiles at many row counts, each a JIT compile of seconds on first use),

@@ -10,7 +10,7 @@ A copy of z, a sort and four launches; nothing waits on the host (grid sizes com
     stage 1  per (tile, F block): x @ w1^T and x @ w3^T with w1/w3 decoded in registers, each rounded to the
              compute dtype (as the reference's matmuls), SiTU in fp32 -> h [M, F] (sorted rows).
     stage 2  per (tile, L block): y = h @ w2^T rounded to the compute dtype -> y [M, L] in (token, slot) order.
-    combine  per token: out = sum over its A slots of w * float(y), in fp32, then cast.
+    combine  per token: out = sum over its A slots of w * float(y), in fp32, then cast (`combine.slot_sum`).
 The combine is a deterministic sum in slot order rather than fp32 atomics (the reference adds in ascending
 expert order: the two differ by fp32 rounding only); the y round trip costs 4*M*L bytes, ~1% of the weight bytes
 at decode, ~5% at 4096 tokens. Outputs are bitwise reproducible run to run.
@@ -25,7 +25,7 @@ fp16 activations decode through fp32 and round to fp16, as the reference does.
 Tiles (`_CONFIGS`, measured on an H200 at K3 size, bench/bench_moe.py): with few rows per expert (decode, and
 up to ~24 rows per expert) the weights are the MMA's M side (SWAP: acc^T = W @ x^T, 16 token columns) and the
 kernels stream the weights, bound by the decode's ALU work; with many rows, 128-token tiles. topk_idx must hold
-experts in [0, E) (not checked: that would need the host).
+experts in [0, E) (not checked: that would need the host); `rows` skips the rows of expert E or more.
 """
 
 from __future__ import annotations
@@ -35,84 +35,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kimik3.ops.moe.combine import slot_sum
 from kimik3.ops.mxfp4 import GROUP_SIZE
-from kimik3.ops.situ.triton import interpreting, round_to, situ
-
-
-@triton.jit
-def _decode(packed, scale, BR: tl.constexpr, BKH: tl.constexpr, DTYPE: tl.constexpr):
-    """MXFP4 tile -> (even, odd) columns in DTYPE, through fp32 (fp16 activations; Triton's interpreter).
-
-    packed: uint8 [BR, BKH] (byte j = columns 2j (low nibble) and 2j+1 (high nibble));
-    scale:  uint8 [BR, BKH // 16] E8M0 exponents, one per 16 bytes.
-    Returns two [BR, BKH] tensors: W[:, 0::2] and W[:, 1::2] of this tile, exactly as mxfp4.decode.
-    """
-    b = packed.to(tl.uint32)
-    s = scale.to(tl.uint32)
-    lo = (((b & 0x08) << 28) | ((b & 0x07) << 22)).to(tl.float32, bitcast=True)
-    hi = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True)
-    sc = tl.maximum(s << 23, 0x00400000).to(tl.float32, bitcast=True)  # 2^(s-127); s = 0 is subnormal
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
-    two126 = tl.full((1, 1), 0x7E800000, tl.uint32).to(tl.float32, bitcast=True)
-    # (subnormal E2M1 * 2^-126) * 2^126 is E2M1 exactly; times 2^(s-127) it is exact or overflows, as decode
-    lo = ((lo * two126) * sc).to(DTYPE)
-    hi = ((hi * two126) * sc).to(DTYPE)
-    return lo, hi
-
-
-@triton.jit
-def _decode_bf16(packed, scale, BR: tl.constexpr, BKH: tl.constexpr):
-    """`_decode` to bf16 in 3 instructions per value (GPU only: inline PTX over 4 packed bytes at a time).
-
-    Per 32-bit word of 4 bytes b0..b3, one byte permute puts (b0, b1) in the low bytes of two 16-bit lanes and
-    (b2, b3) in their high bytes; shifts and masks then move each nibble's magnitude to bits 6-8 and its sign
-    to bit 15 of a lane: the bf16 subnormal E2M1 * 2^-126. Two paired bf16 multiplies, by 2^126 and by the
-    group's 2^(s-127), are exact (or overflow, as the reference does).
-    """
-    s = scale.to(tl.uint32)
-    sc = tl.maximum(s << 7, 0x0040).to(tl.uint16).to(tl.bfloat16, bitcast=True)  # 2^(s-127); s = 0: subnormal
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 q, m, sg, c;
-        prmt.b32 q, $4, 0, 0x3120;
-        mov.b32 c, 0x7E807E80;
-        shl.b32 m, q, 6;
-        and.b32 m, m, 0x01C001C0;
-        shl.b32 sg, q, 12;
-        and.b32 sg, sg, 0x80008000;
-        or.b32 $0, m, sg;
-        shr.b32 m, q, 2;
-        and.b32 m, m, 0x01C001C0;
-        shl.b32 sg, q, 4;
-        and.b32 sg, sg, 0x80008000;
-        or.b32 $1, m, sg;
-        shl.b32 m, q, 2;
-        and.b32 m, m, 0x01C001C0;
-        shl.b32 sg, q, 8;
-        and.b32 sg, sg, 0x80008000;
-        or.b32 $2, m, sg;
-        shr.b32 m, q, 6;
-        and.b32 m, m, 0x01C001C0;
-        and.b32 sg, q, 0x80008000;
-        or.b32 $3, m, sg;
-        mul.rn.bf16x2 $0, $0, c;
-        mul.rn.bf16x2 $1, $1, c;
-        mul.rn.bf16x2 $2, $2, c;
-        mul.rn.bf16x2 $3, $3, c;
-        mul.rn.bf16x2 $0, $0, $5;
-        mul.rn.bf16x2 $1, $1, $6;
-        mul.rn.bf16x2 $2, $2, $5;
-        mul.rn.bf16x2 $3, $3, $6;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r,r",
-        args=[packed, sc],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
+from kimik3.ops.mxfp4.triton import decode_tile, decode_tile_bf16
+from kimik3.ops.situ.triton import situ
+from kimik3.ops.triton_utils import interpreting, round_to
 
 
 @triton.jit
@@ -129,13 +56,13 @@ def _mx_acc(acc, x_lo, x_hi, wp_ptr, ws_ptr, n, kb, ld_p, ld_s,
     p = tl.load(wp_ptr + n[:, None] * ld_p + jp[None, :])
     s = tl.load(ws_ptr + n[:, None] * ld_s + js[None, :])
     if INTERPRET:  # Triton's interpreter has no bf16 arithmetic: the same values, multiplied in fp32
-        w_lo, w_hi = _decode(p, s, BN, BKH, tl.float32)
+        w_lo, w_hi = decode_tile(p, s, BN, BKH, tl.float32)
         x_lo = x_lo.to(tl.float32)
         x_hi = x_hi.to(tl.float32)
     elif DTYPE == tl.bfloat16:
-        w_lo, w_hi = _decode_bf16(p, s, BN, BKH)
+        w_lo, w_hi = decode_tile_bf16(p, s, BN, BKH)
     else:
-        w_lo, w_hi = _decode(p, s, BN, BKH, DTYPE)
+        w_lo, w_hi = decode_tile(p, s, BN, BKH, DTYPE)
     if SWAP:
         acc = tl.dot(w_lo, tl.trans(x_lo), acc)
         acc = tl.dot(w_hi, tl.trans(x_hi), acc)
@@ -163,12 +90,14 @@ def _load_x(x_ptr, rows, r_mask, k0, ld_x, BM: tl.constexpr, BKH: tl.constexpr):
 @triton.jit
 def _tiles_kernel(idx_ptr, tiles_ptr, M, T, E: tl.constexpr, EB: tl.constexpr, BM: tl.constexpr,
                   M_PAD: tl.constexpr, CH: tl.constexpr):
-    """tiles[:, t] = (expert, first row, end row) of tile t over the expert-sorted rows; surplus tiles empty."""
+    """tiles[:, t] = (expert, first row, end row) of tile t over the expert-sorted rows; surplus tiles empty.
+    Rows of expert E or more are skipped (they sort after every expert's rows and no tile covers them)."""
     ex = tl.arange(0, EB)
     counts = tl.zeros((EB,), tl.int32)
     for m0 in range(0, M_PAD, CH):
         m = m0 + tl.arange(0, CH)
-        counts += tl.histogram(tl.load(idx_ptr + m, mask=m < M, other=0).to(tl.int32), EB, mask=m < M)
+        e = tl.load(idx_ptr + m, mask=m < M, other=0).to(tl.int32)
+        counts += tl.histogram(e, EB, mask=(m < M) & (e < E))
     r_end = tl.cumsum(counts, 0)
     r_beg = r_end - counts
     n_t = (counts + BM - 1) // BM
@@ -259,19 +188,6 @@ def _down_kernel(h_ptr, order_ptr, tiles_ptr, T, w2p_ptr, w2s_ptr, y_ptr, L: tl.
         tl.store(y_ptr + flat[:, None] * L + n[None, :], y, mask=r_mask[:, None] & (n < L)[None, :])
 
 
-@triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, A: tl.constexpr, L: tl.constexpr, BL: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """out[t, block] = sum over slots a (in order) of w[t, a] * float(y[t * A + a, block]), in fp32."""
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BL + tl.arange(0, BL)
-    acc = tl.zeros((BL,), tl.float32)
-    for a in range(A):
-        w = tl.load(w_ptr + t * A + a)
-        acc += w * tl.load(y_ptr + (t * A + a) * L + c, mask=c < L, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * L + c, round_to(acc, out_ptr.dtype.element_ty, INTERPRET), mask=c < L)
-
-
 # (rows per expert on average) -> (BM, BN, BK, SWAP, num_warps, num_stages) of stage 1 and of stage 2.
 # Few rows (decode; even 256 tokens over 896 experts is ~5): 16-row tiles, weights on the MMA's M side (mma.sync,
 # 2 warps, small shared memory so that many programs share an SM). Many rows (4096 tokens: ~73 per expert):
@@ -316,14 +232,22 @@ def _block_k(k: int, bk: int) -> int:
 
 
 def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: tuple[Tensor, Tensor, Tensor],
-                         scales: tuple[Tensor, Tensor, Tensor], beta: float, linear_beta: float) -> Tensor:
-    """Triton path of `kimik3.ops.moe.routed_experts_mxfp4` (same contract; z bf16 or fp16, CUDA or interpreter)."""
-    c1, c2 = _pick(topk_idx.numel() / packed[0].shape[0])
-    return _forward(z, topk_idx, topk_weight, packed, scales, beta, linear_beta, c1, c2)
+                         scales: tuple[Tensor, Tensor, Tensor], beta: float, linear_beta: float,
+                         configs: tuple[tuple, tuple] | None = None) -> Tensor:
+    """Triton path of `kimik3.ops.moe.PackedWeights` (same contract; z bf16 or fp16, CUDA or interpreter);
+    `configs` as `rows`'."""
+    return slot_sum(rows(z, topk_idx, packed, scales, beta, linear_beta, configs=configs), topk_weight)
 
 
-def _forward(z, topk_idx, topk_weight, packed, scales, beta, linear_beta, c1, c2) -> Tensor:
-    """routed_experts_mxfp4 with explicit stage configs (BM, BN, BK, SWAP, num_warps, num_stages)."""
+def rows(z: Tensor, topk_idx: Tensor, packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor],
+         beta: float, linear_beta: float, rows_per_expert: float | None = None,
+         configs: tuple[tuple, tuple] | None = None) -> Tensor:
+    """y [N * A, L]: row n * A + a is expert topk_idx[n, a]'s output for token n, rounded to z's dtype; rows whose
+    expert is E or more are skipped (left unwritten: a caller fills them).
+
+    `rows_per_expert` picks the tiles (default: N * A / E, this call's own); a row's value depends on the tiles and
+    on nothing else in the call, so a cache of some experts' slots passes the full model's figure and gets the
+    rows the full model computes. `configs` forces both stages' tiles (benchmarks)."""
     (N, L), A = z.shape, topk_idx.shape[1]
     if z.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"routed_experts_mxfp4 (triton): z must be bf16 or fp16, got {z.dtype}")
@@ -333,8 +257,10 @@ def _forward(z, topk_idx, topk_weight, packed, scales, beta, linear_beta, c1, c2
     if L % GROUP_SIZE or F % GROUP_SIZE:
         raise ValueError(f"routed_experts_mxfp4: L={L} and F={F} must be multiples of {GROUP_SIZE}")
     M = N * A
+    y = torch.empty(M, L, dtype=z.dtype, device=z.device)
     if M == 0:
-        return torch.zeros_like(z)
+        return y
+    c1, c2 = configs or _pick(M / E if rows_per_expert is None else rows_per_expert)
     interpret = interpreting()
     order, tiles, T = _route(topk_idx, E, c1[0])
     h = torch.empty(M, F, dtype=z.dtype, device=z.device)
@@ -345,12 +271,7 @@ def _forward(z, topk_idx, topk_weight, packed, scales, beta, linear_beta, c1, c2
     bm, bn, bk, swap, nw, ns = c2
     if bm != c1[0]:
         order, tiles, T = _route(topk_idx, E, bm)
-    y = torch.empty(M, L, dtype=z.dtype, device=z.device)
     _down_kernel[(triton.cdiv(L, bn), T)](
         h, order, tiles, T, w2p, w2s, y, L=L, F=F,
         BM=bm, BN=bn, BK=_block_k(F, bk), SWAP=swap, INTERPRET=interpret, num_warps=nw, num_stages=ns)
-    out = torch.empty_like(z)
-    bl = min(1024, triton.next_power_of_2(L))
-    _combine_kernel[(N, triton.cdiv(L, bl))](y, topk_weight.float().contiguous(), out, A=A, L=L, BL=bl,
-                                              INTERPRET=interpret, num_warps=4)
-    return out
+    return y

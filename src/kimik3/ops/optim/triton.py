@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.optim.reference import scalars
-from kimik3.ops.situ.triton import interpreting, round_to
+from kimik3.ops.triton_utils import interpreting, round_to
 
 __all__ = ["adamw_update_", "grad_norm"]
 

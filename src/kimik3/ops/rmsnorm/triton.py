@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kimik3.ops.situ.triton import interpreting, round_to
+from kimik3.ops.triton_utils import interpreting, round_to
 
 __all__ = ["rms_norm"]
 

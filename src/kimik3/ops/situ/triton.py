@@ -1,6 +1,5 @@
 """SiTU-GLU as one Triton kernel each way; the contract of `.reference`. Also the device functions the MXFP4
-expert kernels use in their epilogue (`tanh`, `situ`, `round_to`), and `interpreting`, which the other kernels'
-launchers pass on as their INTERPRET flag.
+expert kernels use in their epilogue (`tanh`, `situ`).
 
 Legend: n elements (gate and up flattened). With t = tanh(g / beta), s = sigmoid(g), v = tanh(u / linear_beta):
     forward   out = (beta t s) (linear_beta v)
@@ -17,7 +16,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["interpreting", "round_to", "situ", "situ_glu", "tanh"]
+from kimik3.ops.triton_utils import interpreting, round_to
+
+__all__ = ["situ", "situ_glu", "tanh"]
 
 BLOCK = 2048  # elements per program
 NUM_WARPS = 8
@@ -40,23 +41,6 @@ def situ(g, u, beta, linear_beta):
     """SiTU-GLU of gate / up values (fp32 in, fp32 out), as the reference."""
     a = beta * tanh(tl.div_rn(g, beta)) * tl.sigmoid(g)
     return a * (linear_beta * tanh(tl.div_rn(u, linear_beta)))
-
-
-def interpreting() -> bool:
-    """Whether the kernels run under Triton's interpreter (CPU tests): `round_to` and the fp32 casts before
-    `tl.dot` take their interpreter forms then."""
-    return bool(triton.knobs.runtime.interpret)
-
-
-@triton.jit
-def round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> DTYPE, round to nearest even. Triton's interpreter truncates fp32 -> bf16, so there the
-    rounding is done on the bits (finite values)."""
-    if INTERPRET and DTYPE == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(DTYPE)
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Routed experts with LoRA over frozen MXFP4 experts as grouped GEMMs (CUDA): `lora.routed_experts_mxfp4_lora`'s
+"""Routed experts with LoRA over frozen MXFP4 experts as grouped GEMMs (CUDA): `experts.routed_experts_mxfp4_lora`'s
 function, its per-expert loop replaced by one grouped GEMM per projection.
 
 Legend: N tokens, A active experts per token, M = N*A routed rows sorted by expert, E experts, L latent width,
@@ -34,7 +34,7 @@ from kimik3.ops.moe import combine
 from kimik3.ops.moe.grouped import expert_offsets
 from kimik3.ops.mxfp4 import decode
 from kimik3.ops.situ import situ_glu
-from kimik3.ops.situ.triton import interpreting, round_to
+from kimik3.ops.triton_utils import interpreting, round_to
 
 CHUNK_BYTES = 4 << 30  # the most bytes of decoded experts alive at once
 
@@ -192,7 +192,7 @@ def supports(z: Tensor, lora_a: tuple[Tensor, ...]) -> bool:
 
 def routed_experts_mxfp4_lora(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed, scales, lora_a, lora_b,
                               scale: float, beta: float, linear_beta: float) -> Tensor:
-    """`kimik3.ops.moe.routed_experts_mxfp4_lora` (same contract) as grouped GEMMs; see the module docstring."""
+    """`.experts.routed_experts_mxfp4_lora` (same contract) as grouped GEMMs; see the module docstring."""
     N, A = topk_idx.shape
     sorted_e, order = torch.sort(topk_idx.reshape(-1), stable=True)
     offs_E = expert_offsets(sorted_e, packed[0].shape[0])

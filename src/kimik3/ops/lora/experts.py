@@ -14,7 +14,7 @@ Each expert e computes, with s = LoRA scale and W decoded from its packed codes:
 The base weights never get a gradient and no dense copy of them outlives one expert's matmul: `packed_linear`
 decodes W in the forward, keeps only the (already resident) codes for backward, and decodes them again there to
 compute dX = dY W. The LoRA terms are plain autograd, so dA, dB and dz follow. With every B zero the output is
-`reference.routed_experts_mxfp4`'s bit for bit (each LoRA term adds exactly +0).
+`kimik3.ops.moe.reference.routed_experts_mxfp4`'s bit for bit (each LoRA term adds exactly +0).
 
 `routed_experts_mxfp4_adapters` is the serving form: the tokens of one call belong to different adapters (K of
 them, factors stacked [K, E, ...]) or to none; each expert's base matmul is shared by all its tokens and the
@@ -66,7 +66,7 @@ def _proj(x: Tensor, e: int, k: int, packed: Factors, scales: Factors, lora_a: F
 def routed_experts_mxfp4_lora(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: Factors, scales: Factors,
                               lora_a: Factors, lora_b: Factors, scale: float, beta: float,
                               linear_beta: float) -> Tensor:
-    """`routed_experts_mxfp4` plus LoRA on each expert's w1, w3 and w2 (see the module docstring for shapes).
+    """`kimik3.ops.lora.LoraWeights`' reference: LoRA on each expert's w1, w3 and w2 (shapes: the module docstring).
 
     The factors are used in z.dtype (cast per expert: fp32 master factors under a bf16 compute dtype).
     Returns [N, L] in z.dtype.
@@ -97,7 +97,7 @@ def _adapted(x: Tensor, e: int, k: int, packed: Factors, scales: Factors, adapte
 def routed_experts_mxfp4_adapters(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packed: Factors,
                                   scales: Factors, adapter: Tensor, lora_a: Factors, lora_b: Factors, scale: Tensor,
                                   beta: float, linear_beta: float) -> Tensor:
-    """`routed_experts_mxfp4` for a batch whose tokens use different adapters (serving; no gradient needed).
+    """`kimik3.ops.lora.AdapterWeights`: a batch whose tokens use different adapters (serving; no gradient needed).
 
     Per expert the base matmul runs once over all its tokens (every adapter's and the base's); the adapters'
     updates go through `kimik3.ops.lora.lora_delta`, grouped per adapter. A token of no adapter (-1) gets the
@@ -108,7 +108,7 @@ def routed_experts_mxfp4_adapters(z: Tensor, topk_idx: Tensor, topk_weight: Tens
         lora_a: (A1 [K, E, R, L], A3 [K, E, R, L], A2 [K, E, R, F]); lora_b: (B1 [K, E, F, R], B3 [K, E, F, R],
             B2 [K, E, L, R]): the K adapters' factors, shared layouts expanded per expert.
         scale: [K] fp32 each adapter's experts' alpha / rank.
-        other arguments: as `routed_experts_mxfp4`.
+        other arguments: as `kimik3.ops.moe.routed_experts` with `PackedWeights`.
     """
     out_NL = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
     for e in range(packed[0].shape[0]):
