@@ -8,9 +8,10 @@ import pytest
 
 from kimik3 import lora
 from kimik3.cli import build_parser, main
-from kimik3.cli.common import end_ids, load_model_and_tokenizer
+from kimik3.cli.common import open_engine
 from kimik3.cli.serve import build_engine, check_args
-from kimik3.inference import SamplingParams, generate
+from kimik3.inference import SamplingParams, engine_stream
+from kimik3.inference.engine import EngineConfig
 from kimik3.serve import Server, ServerConfig
 from tests.cli.test_generate_chat import ckpt  # noqa: F401  (the tiny checkpoint with a byte tokenizer)
 from tests.lora.conftest import load_base, randomize_adapter
@@ -33,13 +34,14 @@ def folders(ckpt, tmp_path_factory):  # noqa: F811
 
 
 def _generate(ckpt, *extra):  # noqa: F811
-    """The text `kimik3 generate --temperature 0 [--lora PATH]` computes (its loader, then `generate`)."""
+    """The text `kimik3 generate --temperature 0 [--lora PATH]` computes (its loader, then its loop)."""
     args = build_parser().parse_args(["generate", "--model", str(ckpt), "--prompt", PROMPT, "--dtype", "float32",
                                       "--device", "cpu",
                                       *extra])
-    model, tok, _ = load_model_and_tokenizer(args)
+    engine, _ = open_engine(args, EngineConfig(max_num_seqs=1))
     params = SamplingParams(temperature=0, max_new_tokens=TOKENS)
-    return generate(model, [tok.encode(PROMPT)], params, tokenizer=tok, eos_token_ids=end_ids(model, tok))[0].text
+    events = engine_stream(engine, [engine.tokenizer.encode(PROMPT)], params)
+    return "".join(e.text for step in events for e in step)
 
 
 def test_models_list_adapters_and_a_request_by_name_uses_it(ckpt, folders):  # noqa: F811
@@ -47,9 +49,9 @@ def test_models_list_adapters_and_a_request_by_name_uses_it(ckpt, folders):  # n
                                       "--max-model-len", "64", "--max-num-seqs", "4",
                                       *(f for n, p in folders.items() for f in ("--lora", f"{n}={p}"))])
     config = check_args(args, ckpt)
-    engine, tok, vocab = build_engine(args, ckpt, config)
+    engine = build_engine(args, ckpt, config)
     server = Server(ServerConfig(model_name="tiny", adapters=args.adapters))
-    server.attach(engine, tok, vocab_size=vocab)
+    server.attach(engine, engine.tokenizer, vocab_size=engine.vocab_size)
     with running(server) as url:
         models = httpx.get(f"{url}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["tiny", "poet", "clerk"]

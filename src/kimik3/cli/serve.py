@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import os
 import sys
@@ -26,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: 1 for models under 100M parameters, else torch's; OMP_NUM_THREADS "
                         "counts as asked)")
-    add_engine_args(p)
+    add_engine_args(p, warmup=True)
     p.add_argument("--max-pending", type=int, default=1024,
                    help="admitted requests (running + waiting) at most; more get 503")
     p.add_argument("--served-model-name", default=None,
@@ -38,15 +37,6 @@ def add_parser(sub) -> None:
                         "and of the base share each batch")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run)
-
-
-def _generation_defaults(path) -> dict:
-    """Sampling defaults from the checkpoint's generation_config.json (the fields a request may leave unset)."""
-    from kimik3.checkpoint.folder import GENERATION_CONFIG
-
-    file = path / GENERATION_CONFIG
-    gen = json.loads(file.read_text()) if file.is_file() else {}
-    return {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
 
 
 def adapters(args) -> dict[str, str]:
@@ -68,6 +58,7 @@ def adapters(args) -> dict[str, str]:
 def check_args(args, path):
     """Every flag checked before anything starts (the engine's against the checkpoint's config): the config."""
     from kimik3.config import K3Config
+    from kimik3.inference.engine import EngineConfig
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
@@ -75,38 +66,23 @@ def check_args(args, path):
         raise ValueError(f"--max-pending must be at least 1, got {args.max_pending}")
     args.adapters = adapters(args)
     positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
-    return engine_config(args, positions, warmup=True)
+    return engine_config(args, EngineConfig(warmup=True), positions)
 
 
 def build_engine(args, path, config=None):
-    """(engine, tokenizer, model vocabulary width) for `args` (bench/bench_serve.py builds through the same
-    flags). The engine warms up (compiles, captures its graphs) before it is returned, unless --no-warmup."""
+    """The engine for `args` (bench/bench_serve.py builds through the same flags), warmed up (compiled, its graphs
+    captured) before it is returned, unless --no-warmup."""
     import torch
 
-    import kimik3
-    from kimik3.cli.common import end_ids
-    from kimik3.inference.engine import Engine
-    from kimik3.inference.threads import pick_cpu_threads
-    from kimik3.quant import relayout_experts
-    from kimik3.tokenizer import Tokenizer
+    from kimik3.inference import load_engine
 
     config = config or check_args(args, path)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else None)
-    tokenizer = Tokenizer.from_file(path)
-    served = getattr(args, "adapters", None) or {}
-    # adapters on routed experts run over the stored MXFP4 codes (kimik3.lora.serving)
-    model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True,
-                        keep_experts_packed=bool(served)).eval()
-    pick_cpu_threads(model, device, args.threads)
-    if not served:
-        relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
-    log = logging.getLogger("kimik3.serve")
     if config.warmup:
-        log.info("warming up: every prefill shape up to %d tokens and the decode graphs", config.max_num_batched_tokens)
-    engine = Engine(model, config, eos_token_ids=end_ids(model, tokenizer), model_id=str(path), tokenizer=tokenizer,
-                    adapters=served or None)
-    return engine, tokenizer, model.config.text.vocab_size
+        logging.getLogger("kimik3.serve").info("warming up: every prefill shape up to %d tokens and the decode "
+                                               "graphs", config.max_num_batched_tokens)
+    return load_engine(path, config, device=device, dtype=args.dtype or (torch.float32 if device == "cpu" else None),
+                       adapters=getattr(args, "adapters", None) or None, threads=args.threads)
 
 
 def _check_address(host: str, port: int) -> None:
@@ -134,6 +110,7 @@ def run(args) -> int:
         raise ValueError(f"kimik3 serve needs the serve extra (pip install 'kimik3[serve]'): {e}") from None
     from kimik3.checkpoint.hub import is_hub_id
     from kimik3.cli.common import model_path
+    from kimik3.inference.sampling import generation_defaults
 
     path = model_path(args)
     config = check_args(args, path)
@@ -145,14 +122,14 @@ def run(args) -> int:
     if name in args.adapters:
         raise ValueError(f"--lora {name}=...: {name!r} is the base model's name (--served-model-name)")
     server = Server(ServerConfig(model_name=name, adapters=args.adapters, api_key=args.api_key,
-                                 max_pending=args.max_pending, defaults=_generation_defaults(path)))
+                                 max_pending=args.max_pending, defaults=generation_defaults(path)))
     app = build_app(server)
     failed: list[BaseException] = []
 
     def load() -> None:  # /health answers 503 while this runs
         try:
-            engine, tokenizer, vocab_size = build_engine(args, path, config)
-            server.attach(engine, tokenizer, vocab_size=vocab_size)
+            engine = build_engine(args, path, config)
+            server.attach(engine, engine.tokenizer, vocab_size=engine.vocab_size)
             logging.getLogger("kimik3.serve").info("serving %s as %r on http://%s:%d", path,
                                                    server.config.model_name, args.host, args.port)
         except BaseException as e:

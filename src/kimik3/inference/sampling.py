@@ -16,12 +16,16 @@ Run a request alone, or in fp32, to reproduce it.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from kimik3.checkpoint.folder import GENERATION_CONFIG
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,29 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+
+
+# what a checkpoint's generation_config.json may set (Hugging Face's keys that are SamplingParams fields too)
+GENERATION_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def generation_defaults(folder: str | Path) -> SamplingParams:
+    """The sampling defaults a checkpoint ships: its generation_config.json's GENERATION_KEYS over SamplingParams'
+    own (no file: those alone). Read once per command; a request's or a flag's value replaces a field. A bad file
+    is a ValueError naming it."""
+    file = Path(folder) / GENERATION_CONFIG
+    if not file.is_file():
+        return SamplingParams()
+    try:
+        gen = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(gen, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(gen).__name__}")
+    try:
+        return SamplingParams(**{k: gen[k] for k in GENERATION_KEYS if k in gen})
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
 
 
 def _is_int(v) -> bool:

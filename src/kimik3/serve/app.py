@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimik3 import __version__
+from kimik3.inference.sampling import SamplingParams
 from kimik3.serve.handlers import chat_completion, completion
 from kimik3.serve.metrics import Metrics
 from kimik3.serve.protocol import APIError, parse_chat
@@ -48,7 +49,8 @@ class ServerConfig:
             `model` is a name runs that adapter; /v1/models lists them after the base.
         api_key: when set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
         max_pending: admitted requests (running + waiting) at most; beyond it 503.
-        defaults: sampling defaults for unset fields (the checkpoint's generation_config.json keys).
+        defaults: sampling defaults for unset fields (`generation_defaults`: the checkpoint's generation_config.json
+            over SamplingParams'; its max_new_tokens is not used: max_tokens defaults as OpenAI's).
         disconnect_poll_s: how often a non-streaming handler checks that its client is still there.
     """
 
@@ -56,7 +58,7 @@ class ServerConfig:
     adapters: dict[str, str] = field(default_factory=dict)
     api_key: str | None = None
     max_pending: int = 1024
-    defaults: dict[str, Any] = field(default_factory=dict)
+    defaults: SamplingParams = field(default_factory=SamplingParams)
     disconnect_poll_s: float = 0.05
 
 

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimik3.inference.sampling import SamplingParams
+
 __all__ = ["APIError", "ChatPlan", "CompletionPlan", "parse_chat", "parse_completion", "sampling_kwargs"]
 
 EFFORT_ALIASES = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "max", "max": "max"}
@@ -72,20 +74,19 @@ class Sampling:
     include_usage: bool
 
 
-def _sampling(body: dict, defaults: dict[str, Any], vocab_size: int, least: int = 1) -> Sampling:
+def _sampling(body: dict, defaults: SamplingParams, vocab_size: int, least: int = 1) -> Sampling:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < least):
         raise _bad(param, f"must be an integer >= {least}, got {max_tokens!r}")
     kw: dict[str, Any] = {
-        "temperature": _number(body, "temperature", 0, 2, default=defaults.get("temperature", 1.0)),
-        "top_p": _number(body, "top_p", 0, 1, default=defaults.get("top_p", 1.0)),
-        "min_p": _number(body, "min_p", 0, 1, default=defaults.get("min_p", 0.0)),
-        "repetition_penalty": _number(body, "repetition_penalty", 0, 10,
-                                      default=defaults.get("repetition_penalty", 1.0)),
-        "presence_penalty": _number(body, "presence_penalty", -2, 2, default=0.0),
-        "frequency_penalty": _number(body, "frequency_penalty", -2, 2, default=0.0),
+        "temperature": _number(body, "temperature", 0, 2, default=defaults.temperature),
+        "top_p": _number(body, "top_p", 0, 1, default=defaults.top_p),
+        "min_p": _number(body, "min_p", 0, 1, default=defaults.min_p),
+        "repetition_penalty": _number(body, "repetition_penalty", 0, 10, default=defaults.repetition_penalty),
+        "presence_penalty": _number(body, "presence_penalty", -2, 2, default=defaults.presence_penalty),
+        "frequency_penalty": _number(body, "frequency_penalty", -2, 2, default=defaults.frequency_penalty),
         "seed": _number(body, "seed", -(2**63), 2**63 - 1, integer=True),
         "ignore_eos": _bool(body, "ignore_eos"),
     }
@@ -93,7 +94,7 @@ def _sampling(body: dict, defaults: dict[str, Any], vocab_size: int, least: int 
         raise _bad("top_p", "must be > 0")
     if kw["repetition_penalty"] == 0:
         raise _bad("repetition_penalty", "must be > 0")
-    top_k = _number(body, "top_k", -1, vocab_size, default=defaults.get("top_k", 0), integer=True)
+    top_k = _number(body, "top_k", -1, vocab_size, default=defaults.top_k, integer=True)
     kw["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "off" as -1
     bias = body.get("logit_bias")
     if bias is not None:
@@ -263,7 +264,7 @@ def _messages(body: dict) -> list[dict]:
     return messages
 
 
-def parse_chat(body: dict, *, defaults: dict[str, Any], vocab_size: int) -> ChatPlan:
+def parse_chat(body: dict, *, defaults: SamplingParams, vocab_size: int) -> ChatPlan:
     """Validate a /v1/chat/completions body (everything but `model`, checked by the caller)."""
     messages = _messages(body)
     sampling = _sampling(body, defaults, vocab_size)
@@ -299,7 +300,7 @@ class CompletionPlan:
     skip_special_tokens: bool = True
 
 
-def parse_completion(body: dict, *, defaults: dict[str, Any], vocab_size: int) -> CompletionPlan:
+def parse_completion(body: dict, *, defaults: SamplingParams, vocab_size: int) -> CompletionPlan:
     """Validate a /v1/completions body: prompt is a string, a list of strings, token ids or lists of token ids."""
     prompt = body.get("prompt")
     def ids(x) -> bool:

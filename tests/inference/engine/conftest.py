@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kimik3.inference import SamplingParams, generate
-from kimik3.inference.engine import Engine
+from kimik3.inference.engine import Engine, EngineConfig
 from kimik3.model import K3ForCausalLM
 from tests.helpers import randomize
 
@@ -17,11 +17,16 @@ def model(tiny_config):
     return randomize(K3ForCausalLM(tiny_config.text, torch.float32), seed=5).eval()
 
 
+ENGINE_ARGS = ("eos_token_ids", "tokenizer", "model_id", "sync_tokens", "adapters")
+
+
 def make_engine(model, **kw) -> Engine:
-    """Small pools and chunks, snapshots on every grid point, NaN in everything freed."""
+    """Small pools and chunks, snapshots on every grid point, NaN in everything freed; `kw` are EngineConfig fields
+    and the Engine's own arguments (ENGINE_ARGS)."""
     args = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16, snapshot_interval=64,
                 poison=True)
-    return Engine(model, **{**args, **kw})
+    own = {k: kw.pop(k) for k in ENGINE_ARGS if k in kw}
+    return Engine(model, EngineConfig(**{**args, **kw}), **own)
 
 
 def greedy(max_new_tokens: int = 6, **kw) -> SamplingParams:

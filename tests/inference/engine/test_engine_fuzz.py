@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kimik3.inference import SamplingParams
-from kimik3.inference.engine import Engine, Request
+from kimik3.inference.engine import Engine, EngineConfig, Request
 from kimik3.inference.engine.request import accumulate
 from tests.inference.engine.conftest import reference_tokens
 
@@ -21,10 +21,11 @@ def test_random_scenarios_equal_generate(model, seed):
     reqs = [(rng.choice(heads)[: rng.randint(1, 200)] + [rng.randrange(300) for _ in range(rng.randint(0, 30))],
              rng.randint(1, 10), rng.choice([1, 2, 3][:nseq])) for _ in range(8)]
     need = max(-(-(len(p) + n) // bs) for p, n, _ in reqs)
-    probe = Engine(model, max_num_seqs=1, max_model_len=512, block_size=bs, num_blocks=1)
-    engine = Engine(model, max_num_seqs=nseq, max_num_batched_tokens=budget, max_model_len=512, block_size=bs,
-                    num_blocks=max(need + 1, 12 * 16 // bs), snapshot_interval=64, poison=True,
-                    prefix_cache_bytes=3 * probe.pool.slot_bytes + 24 * probe.pool.block_bytes)
+    probe = Engine(model, EngineConfig(max_num_seqs=1, max_model_len=512, block_size=bs, num_blocks=1))
+    engine = Engine(model, EngineConfig(max_num_seqs=nseq, max_num_batched_tokens=budget, max_model_len=512,
+                                        block_size=bs, num_blocks=max(need + 1, 12 * 16 // bs), snapshot_interval=64,
+                                        poison=True,
+                                        prefix_cache_bytes=3 * probe.pool.slot_bytes + 24 * probe.pool.block_bytes))
     pending, outs = list(enumerate(reqs)), {}
     while pending or engine.has_unfinished():
         if pending and rng.random() < 0.5:

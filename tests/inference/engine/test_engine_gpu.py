@@ -8,7 +8,7 @@ import torch
 
 from kimik3.config import K3Config
 from kimik3.inference import SamplingParams, generate
-from kimik3.inference.engine import Engine, Request
+from kimik3.inference.engine import Engine, EngineConfig, Request
 from kimik3.inference.engine.request import accumulate
 from kimik3.model import K3ForCausalLM
 from tests.helpers import CONFIGS, randomize, rel_err, requires_cuda
@@ -44,7 +44,8 @@ def prompts(lengths, seed=0):
 def engine(model, **kw):
     args = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16, snapshot_interval=64,
                 poison=True)
-    return Engine(model, **{**args, **kw})
+    own = {k: kw.pop(k) for k in ("eos_token_ids", "tokenizer", "sync_tokens", "adapters") if k in kw}
+    return Engine(model, EngineConfig(**{**args, **kw}), **own)
 
 
 @torch.no_grad()

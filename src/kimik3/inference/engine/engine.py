@@ -13,7 +13,6 @@ roll back the rejected ones -> the scheduler's update (append, stop checks, fini
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -49,7 +48,7 @@ class Engine:
     """Continuous batching for a K3 model (`K3ForCausalLM` or `K3ForConditionalGeneration`).
 
     Args:
-        config: the runtime knobs (`EngineConfig`); keyword overrides of its fields may follow instead.
+        config: the runtime knobs (`EngineConfig`; None: its defaults).
         eos_token_ids: ids that end every request (unless its ignore_eos).
         tokenizer: a `kimik3.tokenizer.Tokenizer`: outputs carry their visible text, and stop strings stop.
         model_id: part of every prefix key (two models never share a cache entry).
@@ -59,21 +58,23 @@ class Engine:
         sync_tokens: called in place on each step's sampled ids [M] (int64, on the model's device) before they
             are used; ranks generating together (tensor / expert parallel) pass a broadcast from rank 0.
 
-    `config.speculative` (or `speculative=SpeculativeConfig(...)`) turns on speculative decoding (speculative.py).
+    `config.speculative` turns on speculative decoding (speculative.py).
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig | None = None, *, eos_token_ids: Seq[int] = (),
                  tokenizer=None, model_id: str = "", sync_tokens: Callable[[Tensor], object] | None = None,
-                 adapters: dict[str, str | Path] | None = None, **overrides):
-        cfg = dataclasses.replace(config or EngineConfig(), **overrides)
+                 adapters: dict[str, str | Path] | None = None):
+        cfg = config if config is not None else EngineConfig()
         lm = model.language_model if hasattr(model, "language_model") else model
         if adapters and cfg.use_cuda_graphs:
             raise ValueError("use_cuda_graphs with adapters: the adapters' updates read row counts on the host "
                              "(their decode steps run eagerly); leave use_cuda_graphs unset")
+        text = lm.config
         self.adapters = attach_adapters(lm, adapters) if adapters else None
         self.config, self.model, self.tokenizer, self.sync_tokens = cfg, lm, tokenizer, sync_tokens
+        # the multimodal wrapper when it has a vision tower: what turns a prompt's images into its media tokens
+        self.vision_model = model if getattr(model, "has_vision", False) else None
         self.media_id = getattr(model.config, "media_placeholder_token_id", None)
-        text = lm.config
         self.vocab_size = text.vocab_size
         self.max_model_len = cfg.max_model_len or text.max_position_embeddings
         w = lm.lm_head.weight
