@@ -5,7 +5,7 @@ F expert width.
 
     adapters = lora.attach_adapters(model, {"poet": "runs/poet/adapter", "sql": "runs/sql/adapter"})
     with adapters.rows(index_T):          # [T] int64: 0..K-1 an adapter (in the dict's order), -1 the base
-        logits = model(ids_1T, state=pool, step=step)
+        logits, _ = model.run_step(ids_1T, pool, step)
 
 Every module some adapter targets is replaced by its served version: `ServedLinear` (the base `nn.Linear`, its
 weight shared, plus the K adapters' factors stacked [K, R, I] / [K, O, R]) or `ServedExperts` (the packed experts,

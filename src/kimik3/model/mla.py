@@ -41,23 +41,32 @@ class MultiHeadLatentAttention(nn.Module):
         """What this layer keeps per token: the normed latent and the shared key."""
         return MLAStateSpec(self.kv_a_proj_with_mqa.out_features)
 
-    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, state: MLAView | None = None,
-                step: Step | None = None) -> Tensor:
-        """x [B, T, D] -> [B, T, D]. Without state: expanded causal attention (training, packed documents).
-        With this layer's `state` and a `step`: write the new latents into their blocks, then each chunk attends
-        over its sequence's cached keys (short chunks in the latent space, long ones expanded; see `Step`)."""
+    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        """x [B, T, D] -> [B, T, D]: expanded causal attention (training, packed documents)."""
+        q_BTHK, c_BTC, k_r_BTR = self._project(x_BTD)
+        k_BTHK, v_BTHV = self._expand(c_BTC, k_r_BTR)
+        o_BTHV = mla_attention(q_BTHK, k_BTHK, v_BTHV, scale=self.cfg.softmax_scale, cu_seqlens=cu_seqlens)
+        return self._out(o_BTHV, x_BTD)
+
+    def cached(self, x_1TD: Tensor, pool: MLAView, step: Step) -> tuple[Tensor, None]:
+        """The step's packed chunks [1, T, D] -> ([1, T, D], None: nothing beyond the pool). The new latents are
+        written into their blocks, then each chunk attends over its sequence's cached keys (short chunks in the
+        latent space, long ones expanded; see `Step`)."""
+        q_BTHK, c_BTC, k_r_BTR = self._project(x_1TD)
+        o_THV = self._cached(q_BTHK[0], torch.cat([c_BTC, k_r_BTR], dim=-1)[0], pool, step)
+        return self._out(o_THV[None], x_1TD), None
+
+    def _project(self, x_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(queries [B, T, H, N+R], normed latents [B, T, C], shared keys [B, T, R])."""
         m = self.cfg
         B, T, _ = x_BTD.shape
-        H, N, R, V = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-        q_BTHK = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, H, N + R)
-        c_BTC, k_r_BTR = self.kv_a_proj_with_mqa(x_BTD).split([m.kv_lora_rank, R], dim=-1)
-        c_BTC = self.kv_a_layernorm(c_BTC)
-        if state is None:
-            k_BTHK, v_BTHV = self._expand(c_BTC, k_r_BTR)
-            o_BTHV = mla_attention(q_BTHK, k_BTHK, v_BTHV, scale=m.softmax_scale, cu_seqlens=cu_seqlens)
-        else:
-            o_BTHV = self._cached(q_BTHK[0], torch.cat([c_BTC, k_r_BTR], dim=-1)[0], state, step)[None]
-        o_BTP = o_BTHV.reshape(B, T, H * V) * torch.sigmoid(self.g_proj(x_BTD))
+        q_BTHK = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, m.num_heads, m.qk_head_dim)
+        c_BTC, k_r_BTR = self.kv_a_proj_with_mqa(x_BTD).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        return q_BTHK, self.kv_a_layernorm(c_BTC), k_r_BTR
+
+    def _out(self, o_BTHV: Tensor, x_BTD: Tensor) -> Tensor:
+        B, T = x_BTD.shape[:2]
+        o_BTP = o_BTHV.reshape(B, T, -1) * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o_BTP)
 
     def _cached(self, q_THK: Tensor, latent_TX: Tensor, pool: MLAView, step: Step) -> Tensor:
