@@ -1,4 +1,4 @@
-"""Engine == static generate() (greedy tokens) and == a full forward (logprobs, 1e-5 relative)."""
+"""Engine == full forwards without a cache: greedy tokens (`reference_tokens`) and logprobs (1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_prompt_logprobs_equal_full_forward(model):
     assert out.cached_tokens == 0
 
 
-def test_demo_model_greedy_equals_generate():
+def test_demo_model_greedy_equals_full_forwards():
     from kimik3.checkpoint.loader import load
     from kimik3.presets import DEMO_MODEL
 
@@ -104,8 +104,10 @@ def test_demo_model_greedy_equals_generate():
     prompts = random_prompts(model.config.text.vocab_size, (20, 70, 3), generator_seed=5)
     params = greedy(6)
     outs = make_engine(model, eos_token_ids=eos).generate(prompts, params)
-    ref = [c.token_ids for c in generate(model, prompts, params, eos_token_ids=eos)]
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(model, prompts, params, eos)
+    # generate() is the engine too: the same tokens
+    assert [c.token_ids for c in generate(model, prompts, params, eos_token_ids=eos)] == \
+        [o.outputs[0].token_ids for o in outs]
 
 
 def test_static_decode_steps_equal_generate(model):
