@@ -92,8 +92,10 @@ class ScriptedEngine:
                 token = int(mask.nonzero()[0])  # the scripted id is not allowed: take the first that is
         return token
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_launch=None) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
+        if on_launch is not None:  # no device: its work is "queued" at once
+            on_launch()
         if self.step_s:
             time.sleep(self.step_s)
         self.steps += 1

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -28,6 +30,11 @@ def add_parser(sub) -> None:
     add_engine_args(p, warmup=True)
     p.add_argument("--max-pending", type=int, default=1024,
                    help="admitted requests (running + waiting) at most; more get 503")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="the largest request body read; a larger one gets 413 before it is parsed (default: 16 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds a stop (Ctrl-C, SIGTERM) waits for connections to close after the requests in flight "
+                        "were ended (their streams with an error event); then it exits 0 (a second Ctrl-C: at once)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the hub id, else the folder name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
@@ -64,6 +71,10 @@ def check_args(args, path):
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.max_pending < 1:
         raise ValueError(f"--max-pending must be at least 1, got {args.max_pending}")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     args.adapters = adapters(args)
     positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
     return engine_config(args, EngineConfig(warmup=True), positions)
@@ -122,7 +133,9 @@ def run(args) -> int:
     if name in args.adapters:
         raise ValueError(f"--lora {name}=...: {name!r} is the base model's name (--served-model-name)")
     server = Server(ServerConfig(model_name=name, adapters=args.adapters, api_key=args.api_key,
-                                 max_pending=args.max_pending, defaults=generation_defaults(path)))
+                                 max_pending=args.max_pending, defaults=generation_defaults(path),
+                                 **({} if args.max_request_bytes is None else
+                                    {"max_request_bytes": args.max_request_bytes})))
     app = build_app(server)
     failed: list[BaseException] = []
 
@@ -137,7 +150,32 @@ def run(args) -> int:
             logging.getLogger("kimik3.serve").exception("loading %s failed", path)
             uv.should_exit = True
 
-    uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            """The first stop ends the requests in flight, so the drain that follows is short, and at most
+            --shutdown-timeout; another one changes nothing (uvicorn's forced exit would skip the app's shutdown)."""
+            if self.should_exit:
+                logging.getLogger("kimik3.serve").warning("stopping: at most %.0f s more", args.shutdown_timeout)
+                return
+            server.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's, without raising the signal again once it shut down (inside asyncio's runner that cancels
+            the app's lifespan mid-shutdown and logs a traceback): a stop asked for ends here, with status 0."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    uv = Uvicorn(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout))
     # a thread starts with a fresh context: run it in a copy of ours, so it keeps the command's MoE backend
     loader = threading.Thread(target=contextvars.copy_context().run, args=(load,), name="kimik3-load", daemon=True)
     loader.start()
@@ -146,14 +184,15 @@ def run(args) -> int:
         code = 0
     except SystemExit as e:  # uvicorn exits when it cannot start (a bind that failed after our check)
         code = e.code if isinstance(e.code, int) and e.code else 1
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+    except KeyboardInterrupt:  # a Ctrl-C before uvicorn took the signals over
         code = 130
     if failed:
         print(f"kimik3 serve: error: {failed[0]}", file=sys.stderr)
         return 1
-    if loader.is_alive():
-        # stopped while the model was still loading: the loader is inside torch, and finalizing the interpreter
-        # under it aborts the process ("terminate called without an active exception"); leave without finalizing
+    # the engine thread ends after its current step (a second Ctrl-C skipped the app's own shutdown); the loader
+    # may be inside torch still: finalizing the interpreter under a running thread aborts the process ("terminate
+    # called without an active exception"), so then leave without finalizing
+    if not server.shutdown(args.shutdown_timeout) or loader.is_alive():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -49,6 +49,10 @@ class SamplingParams:
         frequency_penalty: subtracted from a token's logit once per time it was generated.
         logit_bias: (token id, bias) pairs added to the logits before sampling.
         ignore_eos: keep generating past the model's end-of-turn ids (stop_token_ids still stop).
+        detokenize: the engine makes the output's text (an engine given a tokenizer): what stop strings are matched
+            over. False for a caller that makes the text itself (the server: each id is decoded once, there).
+        skip_special_tokens: that text leaves out special ids (markers such as <|end_of_msg|>); by default they are
+            written literally.
     Log-probabilities are those of the model's raw distribution (before penalties, temperature and
     truncation). The engine honours every field (`generate()` runs on it; its results carry one choice).
     """
@@ -69,6 +73,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     ignore_eos: bool = False
+    detokenize: bool = True
+    skip_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         # finite real numbers first: inf and nan pass comparisons like `>= 0` (or fail them with a misleading
@@ -103,6 +109,9 @@ class SamplingParams:
                                 and _is_real(kv[1]) and math.isfinite(kv[1])),
              "must be (token id >= 0, finite bias) pairs"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be True or False"),
+            ("detokenize", isinstance(self.detokenize, bool) and (self.detokenize or not self.stop),
+             "must be True or False, and True with stop strings (they are matched over the engine's text)"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be True or False"),
         )
         for name, ok, msg in checks:
             if not ok:

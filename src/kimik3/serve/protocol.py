@@ -127,13 +127,17 @@ def _sampling(body: dict, defaults: SamplingParams, vocab_size: int, least: int 
 
 
 def sampling_kwargs(s: Sampling, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None,
-                    eos_id: int | None = None, engine_stops: bool = False) -> dict[str, Any]:
-    """Keywords of the engine's SamplingParams. Stop strings go to the engine where they match its raw text
-    (`engine_stops`: /v1/completions, so the request ends at the very token); chat matches them over the
-    parsed content in the server, which then ends the request (`Engine.stop`)."""
+                    eos_id: int | None = None, engine_stops: bool = False, skip_special_tokens: bool = True
+                    ) -> dict[str, Any]:
+    """Keywords of the engine's SamplingParams. The server makes the text (serve/outputs.py) and the engine none,
+    except where the engine matches the stop strings (`engine_stops`: /v1/completions, so a request ends at the
+    very token that completes one): there the engine makes the text it matches over (special ids left out when
+    `skip_special_tokens`), and the server takes it. Chat matches them over the parsed content in the server,
+    which then ends the request (`Engine.stop`)."""
+    stops = engine_stops and bool(s.stop)
     return {**s.kwargs, "max_new_tokens": max_tokens, "n": s.n, "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs, "stop_token_ids": () if eos_id is None else (eos_id,),
-            "stop": tuple(s.stop) if engine_stops else ()}
+            "stop": tuple(s.stop) if stops else (), "detokenize": stops, "skip_special_tokens": skip_special_tokens}
 
 
 @dataclass

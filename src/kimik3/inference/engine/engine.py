@@ -49,7 +49,8 @@ class Engine:
     Args:
         config: the runtime knobs (`EngineConfig`; None: its defaults).
         eos_token_ids: ids that end every request (unless its ignore_eos).
-        tokenizer: a `kimik3.tokenizer.Tokenizer`: outputs carry their visible text, and stop strings stop.
+        tokenizer: a `kimik3.tokenizer.Tokenizer`: the outputs of requests that ask for text (`detokenize`, the
+            default) carry their visible text, and stop strings stop; a request that does not is never decoded.
         model_id: part of every prefix key (two models never share a cache entry).
         adapters: LoRA adapters to serve, name -> PEFT-format folder (`kimik3.lora.attach_adapters` puts them on
             `model`, in place); a request names one (`Request.adapter`), and requests of different adapters and of
@@ -98,10 +99,6 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.aborted: list[RequestState] = []  # final outputs the next step() returns
         self.counters = dict(aborts=0, prompt_tokens_total=0)
-        # called once a step's forward is queued and before its results are waited for: a server hands the previous
-        # step's outputs to its front end then, so that formatting them overlaps the device, not this thread's
-        # preparation of the step (both need the GIL)
-        self.on_launch: Callable[[], None] | None = None
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -194,8 +191,11 @@ class Engine:
         return [acc[r] for r in ids]
 
     @torch.no_grad()
-    def step(self) -> list[RequestOutput]:
-        """One scheduler step: the new output of each request that sampled a token (and of those ended since)."""
+    def step(self, on_launch: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One scheduler step: the new output of each request that sampled a token (and of those ended since).
+        `on_launch()` is called once the step's forward is queued and before its results are waited for: a server
+        hands the previous step's outputs to its front end then, so that formatting them overlaps the device, not
+        this thread's preparation of the step (both need the GIL)."""
         ended = [self._output(g) for g in self.aborted]
         self.aborted.clear()
         if self.speculator is not None:
@@ -206,8 +206,8 @@ class Engine:
         rows, samplers, prompt_rows = logit_rows(chunks)
         starts = [c.seq.num_computed for c in chunks]
         out = self.runner.run(chunks, rows, [c.seq.media(c.num_tokens) for c in chunks])
-        if self.on_launch is not None:
-            self.on_launch()
+        if on_launch is not None:
+            on_launch()
         commits, forks = self._tokens(chunks, out, samplers, prompt_rows)
         advanced = self.scheduler.append(commits)
         if self.speculator is not None:  # what its proposer reads of the step, once the tokens are appended
@@ -241,7 +241,8 @@ class Engine:
     def _sequence(self, group: RequestState, index: int, tokens: list[int], constraint=None, **kw) -> Sequence:
         p = group.request.params
         seed = p.seed + index if p.seed is not None else int(torch.randint(0, 2**62, ()))
-        text = StopDecoder(self.tokenizer, p.stop) if self.tokenizer is not None else None
+        text = (StopDecoder(self.tokenizer, p.stop, skip_special=p.skip_special_tokens)
+                if self.tokenizer is not None and p.detokenize else None)
         return Sequence(group, index, tokens, constraint, torch.Generator(device=self.device).manual_seed(seed),
                         text=text, **kw)
 
