@@ -141,23 +141,35 @@ async def chat_completion(server, http: Request, body: dict, adapter: str | None
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # malformed messages, whichever check meets them
         raise APIError(f"messages: {e}", param="messages") from None
     max_tokens = server.max_tokens(len(prompt), plan.sampling.max_tokens)
-    params = _sampling_params(**sampling_kwargs(plan.sampling, max_tokens, logprobs=plan.logprobs))
+    kind, spec = plan.grammar or (None, None)
     constraint = factory = None
+    written: list[int] = []  # the opening a forced call's grammar allows alone: written, not sampled (yet output)
     if plan.grammar is not None:
         # compiling a large schema can take a while: off the event loop
         grammar = await asyncio.to_thread(server.grammar, *plan.grammar, thinking=plan.thinking)
-        factory = server.constraint_factory(grammar)
+        fresh = server.constraint_factory(grammar)
+        if kind == "tools" and plan.logprobs is None:  # with logprobs it is sampled, each token's reported
+            written = fresh().forced()[: max_tokens - 1]  # at least one token is left to sample
+
+        def factory():
+            c = fresh()
+            for t in written:
+                c.accept(t)
+            return c
+
         constraint = factory()
+    left = max_tokens - len(written)
+    params = _sampling_params(**sampling_kwargs(plan.sampling, left, logprobs=plan.logprobs))
     request_id = server.new_id("chatcmpl")
     n = plan.sampling.n
-    kind, spec = plan.grammar or (None, None)
     forced = spec[0][0] if kind == "tools" and len(spec) == 1 else None  # the one tool the grammar allows
     choices = [ChatChoice(i, tok, thinking=plan.thinking, tools_declared=plan.tools_declared,
                           stops=plan.sampling.stop, id_prefix=f"call_{request_id[-8:]}_", logprobs=plan.logprobs,
-                          forced_tool=forced)
+                          forced_tool=forced, written=written)
                for i in range(n)]
     job = Job(server, http)
-    await job.submit([_engine_request(request_id=request_id, prompt_ids=prompt, params=params,
+    # the written opening is prefilled with the prompt (one chunk, not a decode step per token)
+    await job.submit([_engine_request(request_id=request_id, prompt_ids=prompt + written, params=params,
                                       cache_salt=plan.cache_salt, constraint=constraint,
                                       constraint_factory=factory, adapter=adapter)])
     head = {"id": request_id, "created": int(time.time()), "model": server.model_name(adapter)}

@@ -77,11 +77,12 @@ class ChatChoice(_Base):
     A choice that runs out of tokens (finish_reason "length") inside a tool call reports the partial call, its
     arguments as far as they were generated (what OpenAI's stream has sent by then), never an empty message;
     `forced_tool` (the one tool a required or named tool_choice allows) names the call even when the output
-    stopped before the model had written the call's header.
+    stopped before the model had written the call's header. `written`: the opening the grammar wrote into the
+    prompt (output all the same, counted in `seen`).
     """
 
     def __init__(self, index: int, tok: Tokenizer, *, thinking: bool, tools_declared: bool, stops: list[str],
-                 id_prefix: str, logprobs: int | None, forced_tool: str | None = None):
+                 id_prefix: str, logprobs: int | None, forced_tool: str | None = None, written: list[int] = ()):
         super().__init__(index, tok, stops)
         self.id_prefix, self.forced_tool = id_prefix, forced_tool
         self.parser = ResponseParser(tok, start_in="think" if thinking else "response", id_prefix=id_prefix,
@@ -89,6 +90,7 @@ class ChatChoice(_Base):
         self.logprobs = logprobs
         self.reasoning_tokens = 0
         self.tool_calls: list[dict] = []
+        self.written = list(written)  # output the grammar wrote (a forced call's opening): before the engine's ids
 
     def advance(self, seq) -> ChoiceDelta:
         """The delta of one engine step (a SequenceOutput)."""
@@ -96,6 +98,8 @@ class ChatChoice(_Base):
         if self.finished:
             return delta
         ids, lps = self._new(seq)
+        if self.written:  # no logprobs to align: a call with logprobs has no written opening
+            ids, self.written = self.written + ids, []
         for k, t in enumerate(ids):
             in_think = self.parser.channel == "think"
             d = self.parser.feed([t])
