@@ -47,8 +47,9 @@ def add_parser(sub) -> None:
 
 
 def adapters(args) -> dict[str, str]:
-    """--lora NAME=PATH flags -> {name: path}, each folder's adapter config read (a wrong one fails before the load)."""
-    from kimik3.lora import read_config
+    """--lora NAME=PATH flags -> {name: path}, each folder's config and tensor names read: an adapter serving cannot
+    run fails before the load, in one line."""
+    from kimik3.lora.serving import check_servable
 
     out: dict[str, str] = {}
     for item in getattr(args, "lora", None) or []:
@@ -57,7 +58,7 @@ def adapters(args) -> dict[str, str]:
             raise ValueError(f"--lora {item!r}: expected NAME=PATH (a model name for requests, an adapter folder)")
         if name in out:
             raise ValueError(f"--lora {item!r}: the name {name!r} is given twice")
-        read_config(path)
+        check_servable(path)
         out[name] = path
     return out
 
