@@ -12,7 +12,7 @@ from kimik3 import lora
 from kimik3.inference.engine import Request
 from kimik3.inference.engine.request import accumulate
 from kimik3.lora.serving import ServedExperts, ServedLinear, check_servable
-from tests.helpers import rel_err
+from tests.helpers import rel_err, requires_cuda
 from tests.inference.engine.conftest import greedy, make_engine, random_prompts
 from tests.lora.conftest import load_base, randomize_adapter
 from tests.lora.test_apply import TARGETS
@@ -152,3 +152,22 @@ def test_kv_b_adapters_are_served_as_generate_runs_them(base_dir, tmp_path):
             assert rel_err(logprobs(g), logprobs(w)) < 1e-5, name
     base = run(make_engine(load_base(base_dir)), [(prompts[0], None)], params)[0]
     assert not torch.equal(logprobs(base), logprobs(mixed[0]))  # the kv_b adapter does change the output
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_kv_b_adapters_are_served_as_generate_runs_them_gpu(base_dir, tmp_path):
+    """The same on CUDA (fp32): the absorbed path's extended latents through the paged Triton kernel."""
+    m = lora.apply(load_base(base_dir), lora.LoraConfig(rank=4, targets=["*.self_attn.*_proj"]))
+    randomize_adapter(m, seed=3)
+    folder = lora.save(m, tmp_path / "kv")
+    prompts = random_prompts(m.config.text.vocab_size, (150, 9, 40), generator_seed=8)
+    params = greedy(5, logprobs=1)
+    served = run(make_engine(load_base(base_dir).cuda(), adapters={"kv": folder}), [(p, "kv") for p in prompts],
+                 params)
+    single = load_base(base_dir)
+    lora.load(single, folder)
+    want = run(make_engine(single.cuda()), [(p, None) for p in prompts], params)
+    for g, w in zip(served, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert rel_err(logprobs(g), logprobs(w)) < 1e-4
