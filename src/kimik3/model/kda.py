@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
@@ -48,12 +47,6 @@ class ShortConvolution(nn.Module):
     def decode(self, x_NP: Tensor, tails_SWP: Tensor, slots_N: Tensor) -> Tensor:
         """One new token per sequence against its cached tail (moved on in place): [N, P] (`decode_short_conv`)."""
         return decode_short_conv(x_NP, tails_SWP, slots_N, self.weight.float().squeeze(1))
-
-    def last(self, window_BWP: Tensor) -> Tensor:
-        """The output at the newest of W consecutive tokens, written out over the window: the form `decode`
-        computed before it was one fused op, kept as its oracle in the tests. [B, 1, P]."""
-        y_BP = (window_BWP.float() * self.weight.float().squeeze(1).T).sum(1)
-        return F.silu(y_BP)[:, None].to(window_BWP.dtype)
 
 
 class KimiDeltaAttention(nn.Module):
