@@ -138,8 +138,8 @@ def test_rank_shards_sum_to_the_full_layers_and_caches_concatenate(world):
         c.step([T] * B)
     x = x.reshape(1, B * T, -1)  # a step packs its sequences in one row
     for i, layer in enumerate(full.model.layers):
-        want = layer.self_attn(x, None, full_cache.pool.layers[i], step)
-        got = sum(m.model.layers[i].self_attn(x, None, c.pool.layers[i], step) for m, c in zip(ranks, caches))
+        want = layer.self_attn(x, None, full_cache.pool.layers[i], step)[0]
+        got = sum(m.model.layers[i].self_attn(x, None, c.pool.layers[i], step)[0] for m, c in zip(ranks, caches))
         assert rel_err(got, want) < 1e-5, i
         if isinstance(full_cache.pool.layers[i], KDAView):
             parts = [c.pool.layers[i] for c in caches]

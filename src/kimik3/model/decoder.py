@@ -64,10 +64,8 @@ class DecoderLayer(nn.Module):
         a = depth_mix(blocks, partial, self.self_attention_res_norm, self.self_attention_res_proj) if len(blocks) \
             else partial
         x = self.input_layernorm(a)
-        if state is None:
-            o, io = self.self_attn(x, cu_seqlens), None
-        else:
-            o, io = self.self_attn.cached(x, state, step)
+        out = self.self_attn(x, cu_seqlens, state, step)
+        o, io = (out, None) if state is None else out
         if self.starts_block:
             blocks = torch.cat([blocks, partial[None]])  # once per block: 8 times in K3's 93 layers
             partial = o

@@ -75,8 +75,13 @@ class KimiDeltaAttention(nn.Module):
         """What this layer keeps per sequence (read from the module: a tensor-parallel rank's local heads)."""
         return KDAStateSpec(self.num_heads, self.head_dim, self.q_proj.out_features, self.q_conv1d.weight.shape[-1])
 
-    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        """x [B, T, D] -> [B, T, D]: whole sequences (training, prefill of packed documents)."""
+    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, state: KDAView | None = None,
+                step: Step | None = None) -> Tensor | tuple[Tensor, KDAStepIO | None]:
+        """Without state: whole sequences (training, prefill of packed documents), x [B, T, D] -> [B, T, D]. With
+        this layer's `state` and a `step`: `cached` (a pair: the output and what the step gave back), through the
+        module's call so that hooks and counters see it as this module's."""
+        if state is not None:
+            return self.cached(x_BTD, state, step)
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
         q_BTHK, k_BTHK, v_BTHK = (mod(proj(x_BTD), cu_seqlens).view(B, T, H, K) for mod, proj in

@@ -61,8 +61,12 @@ class MultiHeadLatentAttention(nn.Module):
         """What this layer keeps per token: the normed latent and the shared key."""
         return MLAStateSpec(self.kv_a_proj_with_mqa.out_features)
 
-    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        """x [B, T, D] -> [B, T, D]: expanded causal attention (training, packed documents)."""
+    def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, state: MLAView | None = None,
+                step: Step | None = None) -> Tensor | tuple[Tensor, None]:
+        """Without state: expanded causal attention (training, packed documents), x [B, T, D] -> [B, T, D]. With
+        this layer's `state` and a `step`: `cached` (a pair, as KDA's: the output, None)."""
+        if state is not None:
+            return self.cached(x_BTD, state, step)
         q_BTHK, c_BTC, k_r_BTR = self._project(x_BTD)
         k_BTHK, v_BTHV = self._expand(c_BTC, k_r_BTR)
         o_BTHV = mla_attention(q_BTHK, k_BTHK, v_BTHV, scale=self.cfg.softmax_scale, cu_seqlens=cu_seqlens)
