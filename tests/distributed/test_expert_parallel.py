@@ -209,7 +209,8 @@ def checkpoint(tmp_path_factory):
     return save(model, tmp_path_factory.mktemp("ep") / "ck", max_shard_size="300KB", quiet=True)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
+# four ranks under -m slow (two cover the default run: the 4-rank processes take ~20 s to start on a CPU)
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda w: f"{w}ranks")
 def ranks(request, checkpoint) -> list[dict]:
     """Each rank's results of every scenario, for `request.param` gloo processes."""
     world = request.param
