@@ -107,3 +107,19 @@ def test_chat_ctrl_c_stops_the_answer_not_the_program(ckpt, capsys, monkeypatch)
     rc, out, err = run(["chat", "--model", str(ckpt), "--max-new-tokens", "6", "--temperature", "0"], capsys)
     assert rc == 0 and out.count("(stopped)") == 1, (out, err)
     assert len(calls) > 4  # the second turn ran its steps after the first was cut
+
+
+def test_chat_keeps_one_engine_and_its_second_turn_hits_the_first(ckpt, capsys, monkeypatch):
+    """The REPL holds one engine (load_engine's) for the conversation: the second turn's prompt starts with the
+    first turn's, whose end snapshot the prefix cache kept, so only the new tokens are computed."""
+    from kimik3.inference.engine import Engine
+
+    engines = []
+    init = Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: (engines.append(self), init(self, *a, **k))[1])
+    lines = iter(["hello", "and again", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    rc, out, err = run(["chat", "--model", str(ckpt), "--max-new-tokens", "4", "--temperature", "0"], capsys)
+    assert rc == 0, err
+    (engine,) = engines
+    assert engine.stats["prefix_hit_tokens"] > 0 and engine.stats["prompt_tokens_total"] > 300
