@@ -40,8 +40,8 @@ from bench.common import (
     write_json,
 )
 from kimik3.inference import SamplingParams
-from kimik3.inference.engine import Engine, Request
-from kimik3.inference.engine.runner import MIN_SPAN_BLOCKS, _StepGraph
+from kimik3.inference.engine import Engine, EngineConfig, Request
+from kimik3.inference.engine.graphs import MIN_SPAN_BLOCKS, StepGraph
 from kimik3.model import K3ForCausalLM
 from kimik3.model.cache import state_bytes
 from kimik3.model.moe import LatentMoE
@@ -134,7 +134,9 @@ def engine_decode_ms(model, B: int, s: dict, graphs: bool, max_model_len: int | 
         times.append((time.perf_counter() - t0) * 1e3)
     if profile:  # the static step on the scratch rows: the same kernels as the real rows, nothing overwritten
         span = max((sp for rows, sp, L in engine.runner.graphs if rows == B and L == 1), default=MIN_SPAN_BLOCKS)
-        profile_top(_StepGraph(engine.runner, B, span, 1, None)._forward, f"engine decode B={B}, max_model_len "
+        r = engine.runner
+        profile_top(StepGraph(r.model, r.pool, r.table, r.taps, B, span, 1, None)._forward,
+                    f"engine decode B={B}, max_model_len "
                     f"{engine.max_model_len}", iters=3)
     return sorted(times)[len(times) // 2]
 
@@ -254,7 +256,8 @@ def prefix_row(model, s, vocab, results, rows, mode) -> None:
     g = torch.Generator().manual_seed(1)
     head = torch.randint(0, vocab, (s["prefix"],), generator=g).tolist()
     tails = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(3)]
-    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=s["budget"], max_model_len=s["prefix"] + 128)
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=s["budget"],
+                                        max_model_len=s["prefix"] + 128))
     ttft_ms(engine, head[:64] + tails[0], "warmup")
     engine.reset_prefix_cache()
     cold, c0 = ttft_ms(engine, head + tails[1], "cold")
@@ -274,8 +277,8 @@ def mixed_row(model, s, vocab, graphs, results, rows, mode) -> None:
     reqs = workload(s, vocab)
     longest = max(len(p) + n for p, n in reqs)
     t0 = time.perf_counter()
-    engine = Engine(model, max_num_seqs=s["requests"], max_num_batched_tokens=s["budget"],
-                    max_model_len=longest + 64, enable_prefix_cache=True, warmup=True)
+    engine = Engine(model, EngineConfig(max_num_seqs=s["requests"], max_num_batched_tokens=s["budget"],
+                                        max_model_len=longest + 64, enable_prefix_cache=True, warmup=True))
     warm_s = time.perf_counter() - t0
     fresh_steps, warm_steps = [], []
     # the first requests this engine serves: whatever warm-up left out shows here
@@ -288,8 +291,8 @@ def mixed_row(model, s, vocab, graphs, results, rows, mode) -> None:
     for r in prof["slowest"]:
         print(f"  step {r['step']}: {r['sequences']} sequences, {r['tokens']} tokens: {r['fresh_ms']:.1f} ms fresh, "
               f"{r['warm_ms']:.1f} ms warm", flush=True)
-    static_engine = Engine(model, max_num_seqs=s["static_batch"], max_num_batched_tokens=s["budget"],
-                           max_model_len=longest + 64, enable_prefix_cache=False, warmup=True)
+    static_engine = Engine(model, EngineConfig(max_num_seqs=s["static_batch"], max_num_batched_tokens=s["budget"],
+                                               max_model_len=longest + 64, enable_prefix_cache=False, warmup=True))
     static = run_static(static_engine, reqs, s["static_batch"])
     results["mixed"] = {"engine_tokens_per_s": cont, "fresh_tokens_per_s": fresh, "static_tokens_per_s": static,
                         "ratio": cont / static, "fresh_ratio": fresh / static, "warmup_s": warm_s,

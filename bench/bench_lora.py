@@ -3,7 +3,7 @@
 
 LoRA: rank 16 on every attention projection, the dense MLP, the shared experts and every routed expert (per-expert
 factors), the frozen base in bf16 with its routed experts MXFP4-packed (`kimik3.quant.pack_experts`, the W4A16
-path of `kimik3.ops.moe.routed_experts_mxfp4_lora`: the input gradient through the codes, no bf16 copy of the
+path of `kimik3.ops.lora.LoraWeights`: the input gradient through the codes, no bf16 copy of the
 experts), fp32 factors and AdamW states, the router bias frozen (balancing "frozen", as `kimik3 train` with a
 [lora] table). The step is what the trainer runs: forward through `CausalLMLoss` under bf16 autocast, backward,
 `optimizer_phase` (clip folded into `build_optimizer`'s AdamW) -- all of it resident and timed as one.

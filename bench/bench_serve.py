@@ -112,10 +112,11 @@ def build_slice_engine(check: bool = False):
 
 
 class HostEngine:
-    """The engine contract without a model (for `--host`): chunked prefill under a token budget, one token per
-    running sequence per step; host work that holds the GIL (Python, with a torch dispatch every ~50 us as the
-    launches have) before the launch and after the sync, a sleep for the device time between them, outputs built as
-    `Engine._output` builds them; `on_launch` called once the step's device work is queued, as the engine does."""
+    """An `EngineLike` (kimik3.serve.runner) without a model (for `--host`): chunked prefill under a token budget,
+    one token per running sequence per step; host work that holds the GIL (Python, with a torch dispatch every
+    ~50 us as the launches have) before the launch and after the sync, a sleep for the device time between them,
+    outputs built as the engine builds them; `on_launch` called once the step's device work is queued, as the
+    engine does."""
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int = 2048):
         from collections import OrderedDict
@@ -124,7 +125,6 @@ class HostEngine:
         self.requests: OrderedDict = OrderedDict()  # id -> [request, prompt tokens computed, output ids, logprobs]
         self.stats = {"running": 0, "waiting": 0}
         self.x = torch.zeros(8)
-        self.on_launch = None
 
     def add_request(self, request) -> None:
         self.requests[request.request_id] = [request, 0, [], []]
@@ -132,10 +132,16 @@ class HostEngine:
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
+    def stop(self, request_id: str, stop_reason=None) -> None:  # the server's stop strings: none in this load
+        self.requests.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> None:  # no cache
+        pass
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list:
+    def step(self, on_launch=None) -> list:
         from kimik3.inference.engine import RequestOutput, SequenceOutput, TokenLogprob
 
         budget, decodes, prefill, sampled = self.budget, 0, 0, []
@@ -152,8 +158,8 @@ class HostEngine:
         n = len(sampled)
         self._host(HOST_PREP_S[0] + HOST_PREP_S[1] * n)
         launched = time.perf_counter()  # the device runs from here, whatever this thread does next
-        if self.on_launch is not None:
-            self.on_launch()
+        if on_launch is not None:
+            on_launch()
         device_s = HOST_STEP_S + HOST_DECODE_S * decodes + HOST_PREFILL_S * prefill
         time.sleep(max(0.0, launched + device_s - time.perf_counter()))
         self._host(HOST_POST_S[0] + HOST_POST_S[1] * n)

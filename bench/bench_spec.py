@@ -29,12 +29,13 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from bench.common import DEVICE, environment, smoke_config, sync, table, write_json
 from kimik3.inference import SamplingParams
-from kimik3.inference.engine import Engine, Request, SpeculativeConfig
+from kimik3.inference.engine import Engine, EngineConfig, Request, SpeculativeConfig
 from kimik3.inference.spec.oracle import OracleProposer, expected_accepted_length, p_for_accepted_length
 from kimik3.model import K3ForCausalLM
 
@@ -50,9 +51,9 @@ DEMO_PROMPTS = ["KING RICHARD III:\nNow is the winter of our discontent", "PORTI
 def engine_for(model, prompts, new: int, graphs: bool | None, speculative=None) -> Engine:
     """An engine sized for the prompts run together, no prefix cache (the same sizes give the same graphs, spans
     and so the same sums: the fixed points below and the timed runs share them)."""
-    return Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
-                  max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False, use_cuda_graphs=graphs,
-                  speculative=speculative)
+    return Engine(model, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
+                                      max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
+                                      use_cuda_graphs=graphs, speculative=speculative))
 
 
 def timed(model, prompts, new: int, speculative=None, graphs: bool | None = False
@@ -359,15 +360,15 @@ def path_rows(model, results: dict, rows: list, new: int = 24, k: int = 7) -> No
     prompt = torch.randint(0, 1000, (256,), generator=g).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True, logprobs=1)
     graphs = DEVICE.type == "cuda"
-    kw = dict(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=512, enable_prefix_cache=False,
-              use_cuda_graphs=graphs)
-    dec = Engine(model, **kw).generate([prompt], params)[0].outputs[0]
+    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=512, enable_prefix_cache=False,
+                       use_cuda_graphs=graphs)
+    dec = Engine(model, cfg).generate([prompt], params)[0].outputs[0]
     proposer = OracleProposer([prompt + dec.token_ids], 1.0, model.config.vocab_size)
-    ver = Engine(model, speculative=SpeculativeConfig(proposer, None, k), **kw).generate([prompt], params)[0]
+    ver = Engine(model, replace(cfg, speculative=SpeculativeConfig(proposer, None, k))).generate([prompt], params)[0]
     ver = ver.outputs[0]
     same = next((j for j, (a, b) in enumerate(zip(ver.token_ids, dec.token_ids)) if a != b), new)
     full_ids = prompt + dec.token_ids
-    pre = Engine(model, **kw).generate([full_ids], SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0))
+    pre = Engine(model, cfg).generate([full_ids], SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0))
     pre_lp = [e.logprob for e in pre[0].prompt_logprobs[len(prompt):]]
     logits = model(torch.tensor([full_ids], device=DEVICE))
     logits = (logits.logits if hasattr(logits, "logits") else logits)[0, len(prompt) - 1: -1].float()
@@ -388,8 +389,8 @@ def replay_profiles(model, prompt_len: int = 256, k: int = 7) -> None:
     from bench.common import profile_top
 
     prompts = [list(range(prompt_len))]
-    engine = Engine(model, max_num_seqs=k + 1, max_num_batched_tokens=512, max_model_len=prompt_len + 64,
-                    enable_prefix_cache=False, speculative=SpeculativeConfig("suffix", None, k))
+    engine = Engine(model, EngineConfig(max_num_seqs=k + 1, max_num_batched_tokens=512, max_model_len=prompt_len + 64,
+                                        enable_prefix_cache=False, speculative=SpeculativeConfig("suffix", None, k)))
     engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
     for (rows, span, L), g in sorted(engine.runner.graphs.items()):
         if (rows, L) in ((1, k + 1), (k + 1, 1)) and g.graph is not None:

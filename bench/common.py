@@ -221,15 +221,16 @@ def decoding_engine(model, B: int, s: dict, max_model_len: int | None, graphs: b
     """An engine whose B sequences of `context` tokens are prefilled and decoding (s: context, steps, budget;
     the MLA pool sized for that context alone, plus `spare` tokens' blocks and one more slot when `spare`)."""
     from kimik3.inference import SamplingParams
-    from kimik3.inference.engine import Engine, Request
+    from kimik3.inference.engine import Engine, EngineConfig, Request
 
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
 
     per_seq = -(-(s["context"] + s["steps"] + 64) // 64)
-    engine = Engine(model, max_num_seqs=B + (spare > 0), max_num_batched_tokens=max(s["budget"], s["context"] + 64),
-                    max_model_len=max_model_len, use_cuda_graphs=graphs, enable_prefix_cache=False,
-                    num_blocks=B * per_seq + -(-spare // 64) + 8)
+    engine = Engine(model, EngineConfig(max_num_seqs=B + (spare > 0),
+                                        max_num_batched_tokens=max(s["budget"], s["context"] + 64),
+                                        max_model_len=max_model_len, use_cuda_graphs=graphs, enable_prefix_cache=False,
+                                        num_blocks=B * per_seq + -(-spare // 64) + 8))
     g = torch.Generator().manual_seed(B)
     for i in range(B):
         prompt = torch.randint(0, 1000, (s["context"],), generator=g).tolist()

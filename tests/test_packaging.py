@@ -116,7 +116,8 @@ def build_wheel(src: Path, out: Path) -> Path:
 
 
 # CI installs the wheel; `pip install .` builds the same wheel the same way (run it by hand: -m slow)
-@pytest.mark.parametrize("how", ["wheel", pytest.param("pip install .", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a fresh venv with torch and a package build, ~45 s on a CPU: run by hand (-m slow)
+@pytest.mark.parametrize("how", ["wheel", "pip install ."])
 def test_installed_package_runs_outside_the_repository(fresh_venv, how, tmp_path):
     py, src = fresh_venv
     if how == "wheel":

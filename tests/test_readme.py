@@ -7,7 +7,8 @@ is covered.
                   thousands separators must be in COMMAND's output (the block may abridge the table around
                   them); a block without such numbers must appear line by line (whitespace collapsed)
     ```toml       a run-file fragment: valid TOML whose every table and key is one the trainer's run file knows
-    any block     opts out only with `<!-- readme: skip, REASON -->` on the line above; the reason is required
+    any block     opts out only with `<!-- readme: skip, REASON -->` on the line above; the reason is required;
+                  `<!-- readme: slow, REASON -->` runs it under `-m slow` only (the default run's time budget)
 
 The README's placeholders are the bundled demo model: `path/to/Kimi-K3`, `path/to/ckpt` -> its folder,
 `path/to/tiktoken.model` -> its tokenizer. Blocks run in a scratch folder that links the repository's `configs/`,
@@ -42,7 +43,7 @@ README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 PLACEHOLDERS = {"path/to/Kimi-K3": str(DEMO_MODEL), "path/to/ckpt": str(DEMO_MODEL),
                 "path/to/tiktoken.model": str(DEMO_MODEL / "tiktoken.model")}
-MARKER = re.compile(r"^<!--\s*readme:\s*(skip|output of)\b[,:]?\s*(.*?)\s*-->$")
+MARKER = re.compile(r"^<!--\s*readme:\s*(skip|output of|slow)\b[,:]?\s*(.*?)\s*-->$")
 COMMENT = re.compile(r"\s{2,}#\s.*$")  # a trailing comment: two spaces, then `# `
 TRAIN_STEPS = 2
 SERVER = re.compile(r"--serve\b|\bkimik3 serve\b")  # lines that run until stopped
@@ -54,7 +55,7 @@ class Block:
     line: int  # 1-based line of the opening fence
     lang: str
     code: str
-    marker: tuple[str, str] | None  # ("skip", reason) or ("output of", command)
+    marker: tuple[str, str] | None  # ("skip", reason), ("slow", reason) or ("output of", command)
     page: str = "README.md"  # the file, relative to the repository
 
     @property
@@ -95,9 +96,12 @@ def page_blocks(name: str) -> list[Block]:
     return [b for b in BLOCKS if b.page == name]
 
 
-def of(kind: str) -> list[Block]:
-    return [b for b in BLOCKS if b.marker is None and b.lang == kind] if kind != "text" else \
-        [b for b in BLOCKS if b.marker and b.marker[0] == "output of"]
+def of(kind: str) -> list:
+    """The blocks of a kind that run (a `slow` one as a param marked slow)."""
+    if kind == "text":
+        return [b for b in BLOCKS if b.marker and b.marker[0] == "output of"]
+    return [pytest.param(b, marks=pytest.mark.slow, id=b.id) if b.marker else b for b in BLOCKS
+            if b.lang == kind and (b.marker is None or b.marker[0] == "slow")]
 
 
 def substitute(code: str, where: str) -> str:
@@ -192,8 +196,10 @@ def test_every_block_runs_or_says_why_not():
     assert {b.page for b in BLOCKS} >= {"README.md", "docs/model.md", "docs/training.md"}, "pages without blocks"
     for b in BLOCKS:
         where = b.where
-        if b.marker and b.marker[0] == "skip":
-            assert len(b.marker[1].split()) >= 3, f"{where}: a skipped block needs its reason (skip, REASON)"
+        if b.marker and b.marker[0] in ("skip", "slow"):
+            assert len(b.marker[1].split()) >= 3, f"{where}: a {b.marker[0]} block needs its reason ({b.marker[0]}, "\
+                "REASON)"
+            assert b.marker[0] == "skip" or b.lang in ("python", "bash"), f"{where}: only python and bash run slow"
         elif b.marker:
             assert b.lang == "text" and b.marker[1], f"{where}: an output block is ```text with its command"
         else:

@@ -81,6 +81,7 @@ def test_training_step_bench_smoke(tmp_path):
     assert all(m["optimizer"]["trainer"]["folds_clipping"] for m in data["modes"].values())
 
 
+@pytest.mark.slow  # the peer's own run, ~20 s on a CPU: the smoke above runs the bench
 def test_training_step_bench_runs_the_peer_first(tmp_path):
     """--peer: the peer's own script runs in the same call and its forward+backward line becomes the peer row; a
     peer that prints no such line leaves the recorded row, marked as such."""
@@ -104,6 +105,7 @@ def test_lora_bench_smoke_times_both_steps(tmp_path):
     assert data["time_ratio"] > 0 and lo["frozen_gib"] < full["weights_gib"]  # packed experts: a smaller base
 
 
+@pytest.mark.slow  # the peer's own run: the smoke above runs the bench
 def test_lora_bench_runs_the_peer_first(tmp_path):
     """--peer: the peer's LoRA step line becomes its row and our ratios to it; no such line is an error row."""
     line = "peer lora step: 400.0 ms at T=128, peak 2.0 GiB, 1234 adapter parameters, experts unquantized"

@@ -60,7 +60,7 @@ def test_generate_chat_and_image(ckpt, capsys, tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
-    (["--max-context", "3"], "the context holds 3 (--max-context): no room"),
+    (["--max-model-len", "3"], "the context holds 3 (--max-model-len): no room"),
     (["--image", "missing.png"], "missing.png"),
 ])
 def test_generate_bad_input(ckpt, capsys, extra, message):
@@ -86,14 +86,40 @@ def test_chat_repl(ckpt, capsys, monkeypatch, tmp_path):
 
 
 def test_chat_ctrl_c_stops_the_answer_not_the_program(ckpt, capsys, monkeypatch):
-    import kimik3.inference as inference
+    """A real SIGINT in the middle of an answer: taken between two engine steps (the engine lives across turns),
+    the answer stops, its request is aborted, and the next turn runs on the same engine."""
+    import signal
 
-    def interrupted(*a, **k):
-        yield [inference.TokenEvent(0, 65, "A")]
-        raise KeyboardInterrupt
+    from kimik3.inference.engine import Engine
 
-    monkeypatch.setattr(inference, "stream", interrupted)
-    lines = iter(["hello", "/quit"])
+    step, calls = Engine.step, []
+
+    def step_then_interrupt(engine):
+        out = step(engine)
+        calls.append(len(engine.requests))
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)  # the handler runs now, inside the step's caller
+        return out
+
+    monkeypatch.setattr(Engine, "step", step_then_interrupt)
+    lines = iter(["hello", "again", "/quit"])
     monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
-    rc, out, _ = run(["chat", "--model", str(ckpt), "--max-new-tokens", "3"], capsys)
-    assert rc == 0 and "(stopped)" in out
+    rc, out, err = run(["chat", "--model", str(ckpt), "--max-new-tokens", "6", "--temperature", "0"], capsys)
+    assert rc == 0 and out.count("(stopped)") == 1, (out, err)
+    assert len(calls) > 4  # the second turn ran its steps after the first was cut
+
+
+def test_chat_keeps_one_engine_and_its_second_turn_hits_the_first(ckpt, capsys, monkeypatch):
+    """The REPL holds one engine (load_engine's) for the conversation: the second turn's prompt starts with the
+    first turn's, whose end snapshot the prefix cache kept, so only the new tokens are computed."""
+    from kimik3.inference.engine import Engine
+
+    engines = []
+    init = Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: (engines.append(self), init(self, *a, **k))[1])
+    lines = iter(["hello", "and again", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    rc, out, err = run(["chat", "--model", str(ckpt), "--max-new-tokens", "4", "--temperature", "0"], capsys)
+    assert rc == 0, err
+    (engine,) = engines
+    assert engine.stats["prefix_hit_tokens"] > 0 and engine.stats["prompt_tokens_total"] > 300

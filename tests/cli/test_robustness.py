@@ -15,6 +15,7 @@ from kimik3.cli import main
 from kimik3.cli.chat import ChatPrinter
 from kimik3.cli.common import unescape
 from kimik3.config import K3Config
+from kimik3.inference.engine import EngineConfig
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.tokenizer import Tokenizer
 from tests.helpers import CONFIGS, randomize
@@ -69,16 +70,16 @@ def test_library_bounds_prompt_plus_new_tokens_by_the_model(text_ckpt):
     over = POSITIONS - 4  # 5 prompt tokens + this: one more than the model holds
     with pytest.raises(ValueError, match=f"5 tokens \\+ max_new_tokens {over} exceed the model's {POSITIONS} "):
         kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], sp(max_new_tokens=over))
-    with pytest.raises(ValueError, match=f"max_context {POSITIONS + 1} exceeds the model's {POSITIONS} positions"):
-        kimik3.inference.generate(model, [[1]], sp(max_new_tokens=1), max_context=POSITIONS + 1)
+    with pytest.raises(ValueError, match=f"max_model_len {POSITIONS + 1} exceeds the model's {POSITIONS} positions"):
+        kimik3.inference.generate(model, [[1]], sp(max_new_tokens=1), config=EngineConfig(max_model_len=POSITIONS + 1))
     with pytest.raises(ValueError, match=f"a prompt of {POSITIONS} tokens leaves no room"):
         kimik3.inference.generate(model, [[7] * POSITIONS], sp(max_new_tokens=1))
-    with pytest.raises(ValueError, match="max_context must be an integer >= 2"):
-        kimik3.inference.generate(model, [[1]], sp(max_new_tokens=1), max_context=1)
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 2"):
+        EngineConfig(max_model_len=1)
     out = kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], sp(temperature=0, max_new_tokens=over - 1))[0]
     assert len(out.token_ids) == over - 1 or out.finish_reason == "stop"  # exactly fills the context: allowed
-    huge = sp(temperature=0, max_new_tokens=10**9)  # with max_context: stops there, nothing 10**9 long is allocated
-    out = kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], huge, max_context=POSITIONS)[0]
+    huge = sp(temperature=0, max_new_tokens=10**9)  # with max_model_len: stops there, nothing 10**9 long allocated
+    out = kimik3.inference.generate(model, [[1, 2, 3, 4, 5]], huge, config=EngineConfig(max_model_len=POSITIONS))[0]
     assert len(out.token_ids) <= POSITIONS - 5 and out.finish_reason in ("length", "stop")
 
 
@@ -88,8 +89,8 @@ def test_cli_stops_at_the_context_with_a_note(text_ckpt, capsys):
     assert rc == 0, err
     assert f"the context holds {POSITIONS} tokens (the model's max_position_embeddings)" in err
     assert "not max_new_tokens 1,000,000,000" in err
-    rc, out, err = run([*base, "--max-new-tokens", "100000", "--max-context", "12"], capsys)
-    assert rc == 0 and "the context holds 12 tokens (--max-context)" in err
+    rc, out, err = run([*base, "--max-new-tokens", "100000", "--max-model-len", "12"], capsys)
+    assert rc == 0 and "the context holds 12 tokens (--max-model-len)" in err
     rc, out, err = run([*base, "--max-new-tokens", "3"], capsys)
     assert rc == 0 and "note" not in err  # fits: nothing to say
 
@@ -101,8 +102,13 @@ def test_cli_stops_at_the_context_with_a_note(text_ckpt, capsys):
     (["--repetition-penalty", "inf"], "repetition_penalty must be a finite number"),
     (["--seed", str(2**70)], "seed must be None or an integer"),
     (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
-    (["--max-context", "1"], "--max-context must be at least 2"),
-    (["--max-context", str(POSITIONS + 1)], f"exceeds the model's {POSITIONS} positions"),
+    (["--max-model-len", "1"], "--max-model-len must be an integer >= 2"),
+    (["--max-model-len", str(POSITIONS + 1)], f"exceeds the model's {POSITIONS} positions"),
+    (["--max-context", str(POSITIONS + 1)], f"--max-model-len {POSITIONS + 1} exceeds the model's"),
+    (["--max-context", "12", "--max-model-len", "13"], "--max-context is the old name of --max-model-len"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1"),
+    (["--max-num-batched-tokens", "8"], "--max-num-batched-tokens must be an integer >= 64"),
+    (["--no-prefix-cache", "--prefix-cache-bytes", "100"], "--prefix-cache-bytes sizes the prefix cache"),
     (["--device", "banana"], "banana"),
 ])
 def test_generate_rejects_bad_values_before_loading(text_ckpt, capsys, extra, message):
@@ -269,10 +275,10 @@ def test_out_of_memory_is_one_line_and_other_errors_keep_their_traceback(text_ck
         return stream
 
     args = ["generate", "--model", str(text_ckpt), "--prompt", "x", "--max-new-tokens", "2"]
-    monkeypatch.setattr(inference, "stream", failing("DefaultCPUAllocator: can't allocate memory: you tried to "
+    monkeypatch.setattr(inference, "engine_stream", failing("DefaultCPUAllocator: can't allocate memory: you tried to "
                                                      "allocate 192000000192 bytes"))
     rc, _, err = run(args, capsys)
     assert rc == 1 and err.startswith("kimik3 generate: error: out of memory") and "192000000192 bytes" in err
-    monkeypatch.setattr(inference, "stream", failing("an internal bug"))
+    monkeypatch.setattr(inference, "engine_stream", failing("an internal bug"))
     with pytest.raises(RuntimeError, match="an internal bug"):
         main(args)

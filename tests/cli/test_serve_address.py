@@ -32,10 +32,10 @@ def test_a_port_out_of_range_is_one_line(port, capsys):
     assert f"--port {port}: must be in 0..65535" in capsys.readouterr().err
 
 
-def test_ctrl_c_while_the_model_loads_exits_130_quietly():
+def test_ctrl_c_while_the_model_loads_exits_0_quietly():
     """Ctrl-C as soon as the socket is up (the model still loading in its thread, or just loaded): uvicorn shuts
-    down and re-raises the interrupt; the process leaves with 130, no traceback, no C++ abort from a loader thread
-    caught inside torch by interpreter finalization."""
+    down; the process leaves with 0 (a stop asked for), no traceback, no C++ abort from a loader thread caught
+    inside torch by interpreter finalization."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # SIGINT as in a terminal: a shell that runs the suite in the background starts it ignored, and an ignored
     # SIGINT is inherited across exec (Python then installs no KeyboardInterrupt handler, as test_signals says)
@@ -49,7 +49,7 @@ def test_ctrl_c_while_the_model_loads_exits_130_quietly():
             proc.send_signal(signal.SIGINT)
             break
     out = "".join(lines) + proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, out
+    assert proc.returncode == 0, out
     assert "Traceback" not in out and "terminate called" not in out, out
 
 

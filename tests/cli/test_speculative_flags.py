@@ -20,8 +20,8 @@ def test_generate_with_speculation_prints_the_same_text(capsys, extra):
 
 @pytest.mark.parametrize("extra, message", [
     (["--speculative-method", "suffix", "--num-speculative-tokens", "0"],
-     "--num-speculative-tokens must be at least 1"),
-    (["--speculative-method", "draft"], "--speculative-method draft needs --speculative-model"),
+     "--num-speculative-tokens must be an integer >= 1"),
+    (["--speculative-method", "draft"], "--speculative-model is required with method 'draft'"),
     (["--num-speculative-tokens", "3"], "need --speculative-method"),
     (["--speculative-method", "draft", "--speculative-model", "/nonexistent"], "no such folder"),
     (["--speculative-method", "draft", "--speculative-model", str(DEMO_DRAFTER)], "speculative model"),

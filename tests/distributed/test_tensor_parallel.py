@@ -120,7 +120,7 @@ def test_shard_tensor_slices_a_full_state_dict_into_the_sharded_model(rank):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: -m slow
 def test_rank_shards_sum_to_the_full_layers_and_caches_concatenate(world):
     """Without the all-reduce each rank's o_proj / down_proj output is a partial sum; the W partials add up to
     the unsharded layer's output, and the per-rank caches are the full cache split by head (MLA: replicated)."""
@@ -138,8 +138,8 @@ def test_rank_shards_sum_to_the_full_layers_and_caches_concatenate(world):
         c.step([T] * B)
     x = x.reshape(1, B * T, -1)  # a step packs its sequences in one row
     for i, layer in enumerate(full.model.layers):
-        want = layer.self_attn(x, None, full_cache.pool.layers[i], step)
-        got = sum(m.model.layers[i].self_attn(x, None, c.pool.layers[i], step) for m, c in zip(ranks, caches))
+        want = layer.self_attn(x, None, full_cache.pool.layers[i], step)[0]
+        got = sum(m.model.layers[i].self_attn(x, None, c.pool.layers[i], step)[0] for m, c in zip(ranks, caches))
         assert rel_err(got, want) < 1e-5, i
         if isinstance(full_cache.pool.layers[i], KDAView):
             parts = [c.pool.layers[i] for c in caches]
@@ -183,7 +183,7 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: -m slow
 def test_tensor_parallel_logits_equal_one_process(world, tmp_path):
     """The defining invariant under TP: full forward, and left-padded prefill + chunk + token-by-token decode
     with the per-rank caches, give one process's logits on every rank (fp32)."""
@@ -226,7 +226,7 @@ def _load_worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) -> N
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: -m slow
 def test_load_tensor_parallel_reads_only_this_ranks_blocks(world, tmp_path):
     """Each rank reads the replicated tensors whole and 1/W of every split one (rows, or o_proj / down_proj
     columns), and the model it builds gives one process's logits."""

@@ -25,7 +25,7 @@ from tests.hf.test_harness import TASKS, _close, _manager, _offline_datasets  # 
 @pytest.fixture(scope="module")
 def served():
     """`kimik3 serve --model DEMO --port FREE` in its own process until /health answers 200; after the module,
-    SIGINT to its pid: it must leave with the shell's Ctrl-C status (130) and no traceback."""
+    SIGINT to its pid: it must leave with status 0 (a stop asked for) and no traceback."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
     # a child of a non-interactive shell may inherit SIGINT ignored; a user's terminal delivers it
@@ -55,7 +55,7 @@ def served():
             proc.kill()
             out = proc.communicate()[0]
             raise AssertionError(f"kimik3 serve ignored SIGINT for 60 s:\n{out[-3000:]}") from None
-    assert proc.returncode == 130, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
     assert "Traceback" not in out and "terminate called" not in out, out[-3000:]
 
 

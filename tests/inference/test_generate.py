@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kimik3.inference import SamplingParams, generate, stream
+from kimik3.inference.engine import EngineConfig
 from kimik3.inference.sampling import draw, repetition_penalty
 from kimik3.model import K3ForCausalLM
 from tests.helpers import randomize
@@ -173,9 +174,11 @@ def test_bad_prompts(model):
         generate(model, [[1, 300]])
     with pytest.raises(ValueError, match="empty"):
         generate(model, [[]])
-    with pytest.raises(ValueError, match="allowed context of 4"):
-        generate(model, [[1, 2, 3, 4, 5]], max_context=4)
-    out = generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=50), max_context=6)[0]
+    with pytest.raises(ValueError, match="prompt 0: a prompt of 5 tokens leaves no room for output within "
+                                         "max_model_len 4"):
+        generate(model, [[1, 2, 3, 4, 5]], config=EngineConfig(max_model_len=4))
+    out = generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=50),
+                   config=EngineConfig(max_model_len=6))[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="2 sampling parameter sets for 1 prompts"):
         generate(model, [[1]], [SamplingParams(), SamplingParams()])

@@ -158,10 +158,10 @@ def test_cached_latent_attention_carries_an_adapter_on_kv_b_proj(base_dir):
     """The cached MLA path absorbs kv_b_proj's weight instead of calling it: the engine's greedy tokens with an
     adapter there equal the full forward's (which runs the module), and differ from the base's."""
     from kimik3.inference import SamplingParams
-    from kimik3.inference.engine import Engine
+    from kimik3.inference.engine import Engine, EngineConfig
 
     def engine_greedy(lm, prompt):
-        engine = Engine(lm, max_num_seqs=1, max_model_len=64, enable_prefix_cache=False)
+        engine = Engine(lm, EngineConfig(max_num_seqs=1, max_model_len=64, enable_prefix_cache=False))
         params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
         return engine.generate([prompt], params)[0].outputs[0].token_ids
 

@@ -9,6 +9,7 @@ import torch
 
 from kimik3.config import K3Config
 from kimik3.inference import SamplingParams, generate
+from kimik3.inference.engine import EngineConfig
 from kimik3.model import K3ForCausalLM
 from tests.helpers import CONFIGS, randomize, rel_err, requires_cuda
 
@@ -83,7 +84,8 @@ def test_cuda_graph_generate_equals_eager(cfg, cpu_model):
     model = build(cfg, cpu_model, torch.bfloat16, "cuda")
     p = SamplingParams(temperature=0, max_new_tokens=12)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
-    assert [c.token_ids for c in generate(model, prompts, p, cuda_graph=True)] == \
+    graphs = EngineConfig(max_num_seqs=3, max_model_len=64, use_cuda_graphs=True)
+    assert [c.token_ids for c in generate(model, prompts, p, config=graphs)] == \
         [c.token_ids for c in generate(model, prompts, p)]
 
 

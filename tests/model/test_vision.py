@@ -284,7 +284,7 @@ def test_bad_arguments(tiny):
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_matches_cpu_fp32(tiny_config):
+def test_cuda_bf16_matches_cpu_fp32_gpu(tiny_config):
     ref = _random(tiny_config.vision, torch.float32, seed=7)
     gpu = _random(tiny_config.vision, torch.bfloat16, seed=7).cuda()
     grid_thws = torch.tensor(GRIDS)

@@ -152,7 +152,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 4, 8])
 @pytest.mark.parametrize("D", [7168, 100])
 @pytest.mark.parametrize("N", [1, 37, 4097])
-def test_gpu_matches_reference(dtype, M, D, N):
+def test_matches_reference_gpu(dtype, M, D, N):
     inputs = _inputs(M, (1, N), D, dtype, "cuda", contiguous=N != 37)
     grad = torch.randn(1, N, D, device="cuda")
     got = _fwd_bwd(attn_res_mix, inputs, grad)
@@ -168,7 +168,7 @@ def test_gpu_matches_reference(dtype, M, D, N):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("M,N,D", [(8, 4097, 7168), (0, 37, 7168), (4, 5, 100)])
-def test_gpu_writes_every_element(M, N, D):
+def test_writes_every_element_gpu(M, N, D):
     from kimik3.ops.attnres import triton as fast
 
     blocks, partial, nw, pw = (t.detach() for t in _inputs(M, (N,), D, torch.bfloat16, "cuda"))
@@ -187,7 +187,7 @@ def test_gpu_writes_every_element(M, N, D):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_dispatch_follows_backend():
+def test_dispatch_follows_backend_gpu():
     inputs = _inputs(2, (3, 5), 128, torch.bfloat16, "cuda")
     assert type(attn_res_mix(*inputs, EPS).grad_fn).__name__ == "_AttnResMixBackward"
     with use_backend("torch"):
@@ -196,7 +196,7 @@ def test_gpu_dispatch_follows_backend():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_same_result_every_run():
+def test_same_result_every_run_gpu():
     """Deterministic: no atomics, a fixed row-to-program assignment for the d w partial sums."""
     inputs = _inputs(8, (2, 2048), 7168, torch.bfloat16, "cuda")
     grad = torch.randn(2, 2048, 7168, device="cuda")

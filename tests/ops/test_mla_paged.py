@@ -159,7 +159,7 @@ def test_dispatch_on_cpu_is_reference():
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("q_len", [1, 2, 5])
-def test_gpu_k3_dims_bf16(q_len):
+def test_k3_dims_bf16_gpu(q_len):
     """K3's MLA dims (C 512, R 64, nope 128, V 128, H 96, blocks of 64) in bf16 on CUDA, eager and from a CUDA
     graph, against the fp32 reference."""
     seq_lens = [max(q_len, n) for n in (1, 63, 64, 65, 1000, 4097)]  # every query sees a key (the op's contract)

@@ -100,6 +100,6 @@ def test_grouped_path_fused_equals_unfused():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("N", [1, 300, 8192])
-def test_cuda_matches_reference_at_k3_width(N):
+def test_cuda_matches_reference_at_k3_width_gpu(N):
     y, order, w, z, d_out, _ = case(N, 16, 64, 3584, torch.bfloat16, device="cuda", seed=N)
     check(run_pair(y, order, w, z, d_out), torch.bfloat16)

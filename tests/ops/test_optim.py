@@ -121,7 +121,7 @@ def test_adamw_refuses_modes_it_does_not_have():
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_kernel_equals_reference(dtype):
+def test_kernel_equals_reference_gpu(dtype):
     a = tensors(3_000_001, dtype, "cuda")
     b = [t.clone() for t in a]
     gs = torch.tensor(1.7, device="cuda")

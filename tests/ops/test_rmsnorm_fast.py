@@ -78,7 +78,7 @@ def test_zero_rows_and_bad_weight():
 @needs_cuda
 @pytest.mark.parametrize("D", [512, 1536, 3584, 7168])
 @pytest.mark.parametrize("rows", [1, 8192])
-def test_cuda_matches_reference(D, rows):
+def test_cuda_matches_reference_gpu(D, rows):
     x, w, dy = inputs((rows, D), torch.bfloat16, torch.bfloat16, device="cuda", seed=D + rows)
     check(both(x, w, dy), torch.bfloat16)
 
@@ -99,7 +99,7 @@ def test_gated_reference_on_cpu_is_the_written_out_form():
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
                     reason="needs CUDA and fla-core")
 @pytest.mark.parametrize("rows", [1, 8192 * 96])  # decode, and a training step's T * H rows of KDA heads
-def test_gated_cuda_matches_reference(rows):
+def test_gated_cuda_matches_reference_gpu(rows):
     from kimik3.ops.backend import use_backend
     from kimik3.ops.rmsnorm import gated_rms_norm
 

@@ -51,13 +51,13 @@ def test_interpreted_matches_reference(N, E, A, renormalize):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("N", [1, 64, 8192])
-def test_cuda_matches_reference(N):
+def test_cuda_matches_reference_gpu(N):
     check(N, 896, 16, True, "cuda")
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_dispatch_keeps_autograd():
+def test_cuda_dispatch_keeps_autograd_gpu():
     """With a gradient asked for, `route` takes the reference (the kernel has no backward)."""
     from kimik3.ops.router import route
 

@@ -83,13 +83,13 @@ def test_cpu_dispatches_to_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(8192, 3072), (3, 1000), (1, 1)])
-def test_gpu_matches_reference(dtype, shape):
+def test_matches_reference_gpu(dtype, shape):
     gate, up = inputs(shape, dtype, "cuda")
     check(both(gate, up, torch.randn(shape, device="cuda").to(dtype)), dtype)
 
 
 @pytest.mark.gpu
-def test_gpu_dispatch_follows_backend():
+def test_dispatch_follows_backend_gpu():
     gate, up = inputs((64, 128), torch.bfloat16, "cuda")
     with use_backend("torch"):
         ref = situ.situ_glu(gate, up, BETA, LINEAR_BETA)

@@ -75,7 +75,7 @@ def test_errors(impl):
 
 
 @pytest.mark.gpu
-def test_sdpa_cuda_bf16_matches_reference():
+def test_sdpa_cuda_bf16_matches_reference_gpu():
     q, k, v, cu = _inputs([1024, 49, 3136], H=12, K=128, seed=4)
     q, k, v = (x.detach().cuda() for x in (q, k, v))
     ref = reference.vision_attention(q, k, v, cu, scale=128**-0.5)

@@ -15,6 +15,15 @@ from collections.abc import Callable
 from kimik3.inference.engine import RequestOutput, SequenceOutput, TokenLogprob
 
 
+def continuing(ids: list[int]) -> Callable[[list[int], int], list[int]]:
+    """A script whose output is `ids`, less the part of them the prompt already ends with (the opening a forced
+    tool call's grammar writes into the prompt)."""
+    def script(prompt: list[int], index: int) -> list[int]:
+        j = next((j for j in range(min(len(ids), len(prompt)), 0, -1) if prompt[-j:] == ids[:j]), 0)
+        return ids[j:]
+    return script
+
+
 def fake_logprob(position: int, token: int, k: int) -> TokenLogprob:
     lp = -0.25 - 0.01 * (position % 7)
     return TokenLogprob(token, lp, [(token, lp)] + [((token + j) % 100, lp - j) for j in range(1, k)][:max(k - 1, 0)])
@@ -92,8 +101,10 @@ class ScriptedEngine:
                 token = int(mask.nonzero()[0])  # the scripted id is not allowed: take the first that is
         return token
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_launch=None) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
+        if on_launch is not None:  # no device: its work is "queued" at once
+            on_launch()
         if self.step_s:
             time.sleep(self.step_s)
         self.steps += 1

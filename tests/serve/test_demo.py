@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kimik3
-from kimik3.inference.engine import Engine
+from kimik3.inference.engine import Engine, EngineConfig
 from kimik3.inference.sampling import SamplingParams
 from kimik3.presets import DEMO_MODEL
 from kimik3.serve import Server, ServerConfig
@@ -33,7 +33,8 @@ def model():
 
 
 def _engine(model, tok):
-    return Engine(model, max_num_seqs=8, max_num_batched_tokens=512, eos_token_ids=(tok.eos_id,), tokenizer=tok)
+    return Engine(model, EngineConfig(max_num_seqs=8, max_num_batched_tokens=512), eos_token_ids=(tok.eos_id,),
+                  tokenizer=tok)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kimik3
-from kimik3.inference.engine import Engine
+from kimik3.inference.engine import Engine, EngineConfig
 from kimik3.presets import DEMO_MODEL
 from kimik3.serve import Server, ServerConfig
 from tests.serve.conftest import running
@@ -53,8 +53,8 @@ def test_lm_eval_loglikelihood_equals_in_process(demo_tok, tmp_path):
     (tmp_path / "tasks" / "shakespeare_ll.yaml").write_text(TASK.format(data=data))
     model = kimik3.load(DEMO_MODEL, dtype=torch.float32, text_only=True, quiet=True).eval()
     server = Server(ServerConfig(model_name="demo"))
-    server.attach(Engine(model, max_num_seqs=8, eos_token_ids=(demo_tok.eos_id,), tokenizer=demo_tok), demo_tok,
-                  vocab_size=model.config.text.vocab_size)
+    engine = Engine(model, EngineConfig(max_num_seqs=8), eos_token_ids=(demo_tok.eos_id,), tokenizer=demo_tok)
+    server.attach(engine, demo_tok, vocab_size=model.config.text.vocab_size)
     with running(server) as url:
         env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         proc = subprocess.run(

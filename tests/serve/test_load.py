@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 
 
+@pytest.mark.slow  # a server process and a load generator, ~15 s on a CPU
 def test_load_at_concurrency_1_2_4_8_has_no_failures(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path),
            "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}

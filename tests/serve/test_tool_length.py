@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.serve.conftest import running
+from tests.serve.scripted import continuing
 from tests.serve.test_http import MODEL, USER, _client, _collect, _server, _stream_frames
 
 OPEN = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}  # no additionalProperties
@@ -31,7 +32,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 def test_length_inside_the_arguments_returns_the_partial_call(demo_tok, choice):
     head, args = demo_tok.encode(HEAD, allow_special=True), demo_tok.encode(ARGS)
     cut = len(head) + len(args) - 3
-    server, _ = _server(demo_tok, lambda p, i: head + args)
+    server, _ = _server(demo_tok, continuing(head + args))
     with running(server) as url:
         r = _client(url).chat.completions.create(**_body(cut, choice))
         c = r.choices[0]
@@ -47,7 +48,7 @@ def test_length_inside_the_arguments_returns_the_partial_call(demo_tok, choice):
 
 def test_length_before_the_call_header_still_names_a_forced_tool(demo_tok):
     head = demo_tok.encode(HEAD, allow_special=True)
-    server, _ = _server(demo_tok, lambda p, i: head)
+    server, _ = _server(demo_tok, continuing(head))
     with running(server) as url:
         msg = httpx.post(f"{url}/v1/chat/completions", json=_body(2, NAMED)).json()["choices"][0]
         assert msg["finish_reason"] == "length"
@@ -62,7 +63,7 @@ def test_closed_after_the_declared_keys_a_complete_call_stops(demo_tok):
     """The script tries to add a key after the declared one; the grammar allows only `}` there, so the call
     completes (finish_reason tool_calls) with exactly the declared key."""
     head = demo_tok.encode(HEAD, allow_special=True)
-    server, _ = _server(demo_tok, lambda p, i: head + demo_tok.encode('{"city":"Mantua","mood":"sad"}'))
+    server, _ = _server(demo_tok, continuing(head + demo_tok.encode('{"city":"Mantua","mood":"sad"}')))
     with running(server) as url:
         r = _client(url).chat.completions.create(**_body(100, NAMED))
         c = r.choices[0]

@@ -96,3 +96,22 @@ def test_package_prefix_only_in_path_keys():
     assert cfg.data.train == [str(PACKAGE_DIR / "model/*.py"), "local/{kimik3}/x.txt"]
     assert cfg.model.config == str(PACKAGE_DIR / "configs/tiny.json") and raw["model"]["config"].startswith("{")
     assert from_dict(_with("train", "steps", 3)).out_dir == "runs/x"
+
+
+def test_lora_and_draft_tables_are_the_adapter_and_drafter_configs():
+    """[lora] is a LoraConfig (one set of fields, defaults and checks); [draft]'s shape keys are DraftConfig's
+    field names with its defaults, checked by DraftConfig against the target."""
+    from dataclasses import fields
+
+    from kimik3.inference.spec.drafter import DraftConfig
+    from kimik3.lora import LoraConfig
+    from kimik3.train.config import DRAFT_SHAPE_KEYS, DraftSection
+
+    raw = {**BASE, "model": {"checkpoint": "some/base"}, "lora": {"rank": 4, "targets": ["*.q_proj"]}}
+    cfg = from_dict(raw)
+    assert cfg.lora == LoraConfig(rank=4, targets=["*.q_proj"]) and type(cfg.lora) is LoraConfig
+    with pytest.raises(ValueError, match="<dict>: lora.rank must be an integer >= 1"):
+        from_dict({**raw, "lora": {"rank": 0}})
+    defaults = {f.name: f.default for f in fields(DraftConfig)}
+    assert all(getattr(DraftSection(), k) == defaults[k] for k in DRAFT_SHAPE_KEYS)
+    assert load_train_config("demo-draft").draft.num_hidden_layers == 2

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from kimik3.cli.engine_args import add_engine_args, engine_config
+from kimik3.cli.engine_args import add_engine_args
 
 ALIASES = ("max_tokens", "max_completion_tokens")  # OpenAI's names for max_new_tokens
 
@@ -32,7 +32,7 @@ def add_args(parser, source_group) -> None:
     parser.add_argument("--output", metavar="FILE.jsonl",
                         help="batch mode: where the results go (one per line; - for standard output)")
     parser.add_argument("--overwrite", action="store_true", help="batch mode: replace an existing --output file")
-    add_engine_args(parser)
+    add_engine_args(parser, max_num_seqs="1 for --prompt, 64 for --input")
 
 
 def read_requests(path: Path, base) -> list[tuple[str, dict, object, int]]:
@@ -115,23 +115,18 @@ def encode(tok, obj: dict) -> list[int]:
 
 
 def run(args) -> int:
-    from kimik3.cli.common import context_window, end_ids, load_model_and_tokenizer, model_path, sampling_params
-    from kimik3.inference.engine import Engine
+    from kimik3.cli.common import open_engine, sampling_params
+    from kimik3.inference.engine import EngineConfig
 
     if not args.output:
         raise ValueError("--input needs --output FILE.jsonl")
     check_output(Path(args.input), args.output, args.overwrite)
-    config = engine_config(args)
     base = sampling_params(args)
     requests = read_requests(Path(args.input), base)
-    model, tok, _ = load_model_and_tokenizer(args, vision=False)
-    ends = end_ids(model, tok)
-    prompts = [encode_line(tok, obj, model.config.text.vocab_size, f"--input {args.input} line {no}")
+    engine, _ = open_engine(args, EngineConfig(), vision=False)
+    tok = engine.tokenizer
+    prompts = [encode_line(tok, obj, engine.vocab_size, f"--input {args.input} line {no}")
                for _, obj, _, no in requests]
-    config = engine_config(args, model.config.text.max_position_embeddings)
-    if config.max_model_len is None:  # --max-context, else the model's positions
-        config = dataclasses.replace(config, max_model_len=context_window(args, model))
-    engine = Engine(model, config, eos_token_ids=ends, tokenizer=tok, model_id=str(model_path(args)))
     bar = _bar(len(prompts))
     try:
         outs = engine.generate(prompts, [p for _, _, p, _ in requests], progress=bar.update)

@@ -1,9 +1,8 @@
-"""Arguments and set-up shared by `kimik3 generate` and `kimik3 chat`."""
+"""Arguments and set-up shared by the commands that generate: `generate`, `chat` (and `generate --input`)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -19,9 +18,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
                    help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="most tokens (prompt + answer) a sequence may hold (default and upper bound: the model's "
-                        "max_position_embeddings)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: 1 for models under 100M parameters, else torch's; OMP_NUM_THREADS "
                         "is respected)")
@@ -32,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 # sampling flags left unset take the model's generation_config.json value (Hugging Face keys), else the
 # SamplingParams default: a checkpoint can ship the settings it samples well with
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -61,30 +57,14 @@ def unescape(s: str) -> str:
 
 
 def sampling_params(args):
-    """SamplingParams from the flags, falling back to the model's generation_config.json, then the defaults."""
-    from kimik3.checkpoint.folder import GENERATION_CONFIG
-    from kimik3.inference import SamplingParams
+    """SamplingParams from the flags over the model's generation_config.json (read here, once per command: call
+    this once), over the defaults. A bad value names the flag's field, or the file."""
+    import dataclasses
 
-    gen_file = model_path(args) / GENERATION_CONFIG
-    gen = _read_json(gen_file) if gen_file.is_file() else {}
-    kw = {k: getattr(args, k) if getattr(args, k) is not None else gen[k]
-          for k in SAMPLING_KEYS if getattr(args, k) is not None or k in gen}
-    try:
-        return SamplingParams(**kw, seed=args.seed, stop=tuple(args.stop))
-    except ValueError as e:
-        if any(f" {k} " in str(e) for k in kw if getattr(args, k) is None):  # the file's value, not a flag's
-            raise ValueError(f"{gen_file}: {e}") from None
-        raise
+    from kimik3.inference.sampling import generation_defaults
 
-
-def _read_json(path: Path) -> dict:
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
-    return d
+    flags = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+    return dataclasses.replace(generation_defaults(model_path(args)), **flags, seed=args.seed, stop=tuple(args.stop))
 
 
 def model_path(args) -> Path:
@@ -101,42 +81,14 @@ def model_path(args) -> Path:
     return path
 
 
-def check_request(args, cfg, *, images: bool) -> None:
-    """Refuse, before the (long) load, what the model cannot do: images without a vision tower in its config,
-    a --max-context beyond its positions."""
-    if images and cfg.vision is None:
-        raise ValueError(f"--image: the model at {model_path(args)} is text-only (its config.json has no "
-                         "vision_config); use a checkpoint with a vision tower, or leave out the image")
-    limit = cfg.text.max_position_embeddings
-    if args.max_context is not None:
-        if args.max_context < 2:
-            raise ValueError(f"--max-context must be at least 2 (a prompt token and an answer), got {args.max_context}")
-        if limit is not None and args.max_context > limit:
-            raise ValueError(f"--max-context {args.max_context} exceeds the model's {limit:,} positions "
-                             "(max_position_embeddings in config.json)")
-
-
-def context_window(args, model) -> int | None:
-    """Tokens (prompt + answer) one sequence may hold: --max-context, else the model's max_position_embeddings."""
-    return args.max_context if args.max_context is not None else model_text_config(model).max_position_embeddings
-
-
-def model_text_config(model):
-    return model.config.text if hasattr(model.config, "text") else model.config
-
-
-def end_ids(model, tok) -> list[int]:
-    """The ids a reply ends on: the turn's end (<|end_of_msg|>) and the model's end of text (config.eos_token_id:
-    [EOS] for a model trained on documents, such as the demo model)."""
-    return sorted({tok.eos_id, getattr(model.config, "eos_token_id", None)} - {None})
-
-
-def check_context(args, params, prompt_tokens: int, window: int | None) -> None:
+def check_context(args, params, prompt_tokens: int, window: int) -> None:
     """A prompt that fills the context is an error; an answer that will stop at the context's end rather than
     at max_new_tokens gets a note on stderr."""
-    if window is None or prompt_tokens + params.max_new_tokens <= window:
+    from kimik3.cli.engine_args import max_model_len
+
+    if prompt_tokens + params.max_new_tokens <= window:
         return
-    source = "--max-context" if args.max_context is not None else "the model's max_position_embeddings"
+    source = "--max-model-len" if max_model_len(args) is not None else "the model's max_position_embeddings"
     if prompt_tokens >= window:
         raise ValueError(f"the prompt is {prompt_tokens:,} tokens and the context holds {window:,} ({source}): "
                          "no room for an answer")
@@ -145,28 +97,25 @@ def check_context(args, params, prompt_tokens: int, window: int | None) -> None:
           f"{params.max_new_tokens:,}: the answer stops there", file=sys.stderr)
 
 
-def load_model_and_tokenizer(args, *, vision: bool | None = False):
-    """(model in eval mode, tokenizer, path). vision: False loads text only; None loads the vision tower when
-    the checkpoint has one; True requires it. With `args.parallel` (generate under torchrun) each rank loads
-    its shards; only rank 0 prints."""
+def open_engine(args, base, *, vision: bool | None = False):
+    """(the engine over the model at --model, its folder), every flag checked before the (long) load: images
+    against the config (vision: False loads text only; None the vision tower when the checkpoint has one; True
+    requires it), the engine flags over `base` (the command's `EngineConfig` defaults). With `args.parallel`
+    (generate under torchrun) each rank loads its shards; only rank 0 prints."""
     import torch
 
-    import kimik3
+    from kimik3.cli.engine_args import engine_config
     from kimik3.config import K3Config
-    from kimik3.inference.threads import pick_cpu_threads
-    from kimik3.quant import relayout_experts
-    from kimik3.tokenizer import Tokenizer
+    from kimik3.inference import load_engine
+    from kimik3.inference.load import read_tokenizer
 
     path = model_path(args)
     cfg = K3Config.from_file(path / "config.json")
-    check_request(args, cfg, images=bool(vision))
-    sampling_params(args)  # bad sampling values fail before the (long) load
-    tokenizer = _tokenizer(Tokenizer, path)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    # None with images too: a config with a vision_config over shards without its tensors loads as text
-    # (the usual shape of text-only test checkpoints), and the check below says so
-    text_only = True if vision is False else None
+    if vision and cfg.vision is None:
+        raise ValueError(f"--image: the model at {path} is text-only (its config.json has no vision_config); use "
+                         "a checkpoint with a vision tower, or leave out the image")
+    config = engine_config(args, base, cfg.text.max_position_embeddings)
+    read_tokenizer(path)  # a missing tokenizer fails before the load
     lora = getattr(args, "lora", None)
     if lora is not None:
         from kimik3.lora import read_config
@@ -174,39 +123,27 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
         read_config(lora)  # a wrong --lora fails before the (long) load
         if getattr(args, "parallel", None):
             raise ValueError("--lora with --parallel is not supported yet: merge the adapter first (kimik3 lora merge)")
+    loader = sync = None
     if getattr(args, "parallel", None):
-        return _load_parallel(args, path, dtype, device, text_only), tokenizer, path
-    model = kimik3.load(path, dtype=dtype, device=device, text_only=text_only, keep_experts_packed=lora is not None)
-    if lora is not None:
-        from kimik3.lora import load as load_adapter
-
-        load_adapter(model, lora)
-    model = model.eval()
-    relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
-    if vision and not model.has_vision:
-        raise ValueError(f"--image: the checkpoint at {path} holds no vision tower tensors (vision_tower.*): "
-                         "it reads text only")
-    pick_cpu_threads(model, device, getattr(args, "threads", None))
-    return model, tokenizer, path
+        loader, sync = _parallel(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = load_engine(path, config, device=device, dtype=args.dtype, vision=vision, lora=lora,
+                         threads=getattr(args, "threads", None), sync_tokens=sync, loader=loader, quiet=False)
+    return engine, path
 
 
-def _tokenizer(cls, path: Path):
-    file = path / "tiktoken.model"
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: the model folder has no tokenizer (tiktoken.model); copy the one the "
-                                "checkpoint was trained with next to config.json")
-    return cls.from_file(file)
+def _parallel(args):
+    """(a loader of this rank's shards, the token broadcast every rank continues with): tp shards attention heads
+    and MLP widths, ep the routed experts. Every rank runs the same generation on identical logits, so the sampling
+    seed is made common and rank 0 prints."""
+    import functools
 
-
-def _load_parallel(args, path: Path, dtype, device: str, text_only: bool | None):
-    """This rank's shards of the model (tp: attention heads and MLP widths; ep: routed experts). Every rank
-    runs the same generation on identical logits, so the sampling seed is made common and rank 0 prints."""
     import torch
     import torch.distributed as dist
 
     from kimik3.distributed import init_distributed, load_expert_parallel, load_tensor_parallel
 
-    env = init_distributed(device)
+    env = init_distributed(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if env.world_size == 1:
         raise ValueError(f"--parallel {args.parallel} shards the model over several processes: launch with "
                          "torchrun --nproc_per_node N -m kimik3 generate ...")
@@ -216,5 +153,9 @@ def _load_parallel(args, path: Path, dtype, device: str, text_only: bool | None)
         args.seed = int(seed.item())
     if not env.is_main:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
-    loader = load_tensor_parallel if args.parallel == "tp" else load_expert_parallel
-    return loader(path, dtype=dtype, device=env.device, text_only=text_only, quiet=not env.is_main).eval()
+    shards = load_tensor_parallel if args.parallel == "tp" else load_expert_parallel
+
+    def loader(path, *, dtype, device, text_only, quiet, keep_experts_packed):
+        return shards(path, dtype=dtype, device=env.device, text_only=text_only, quiet=not env.is_main)
+
+    return loader, functools.partial(dist.broadcast, src=0)

@@ -1,24 +1,41 @@
-"""The engine's flags, one set for `serve` and `generate --input` (vLLM's names and the same defaults), validated
-before anything is loaded, into a frozen `EngineConfig`."""
+"""The engine's flags, one set for every command that runs the engine (`generate` for one prompt and for `--input`,
+`chat`, `serve`, `eval`): vLLM's names, one meaning each, checked before anything is loaded into a frozen
+`EngineConfig`. A flag left unset takes the command's default config (`base`): the engine's own defaults, except
+where a command says otherwise (one sequence for one prompt, warm-up for a server)."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import dataclasses
+import warnings
+
+ENGINE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+                "max_model_len": "--max-model-len", "prefix_cache_bytes": "--prefix-cache-bytes"}
+SPECULATIVE_FLAGS = {"method": "--speculative-method", "model": "--speculative-model",
+                     "num_speculative_tokens": "--num-speculative-tokens"}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: str = "64", warmup: bool = False,
+                    seqs_alias: str | None = None) -> None:
+    """The engine flags, unset by default (the command's base config decides: `max_num_seqs` says its value in the
+    help); `warmup` adds --no-warmup (a server warms up; nothing else does), `seqs_alias` another spelling of
+    --max-num-seqs (lm-eval's --batch-size)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens in one engine step (prefill chunks + decodes), at least 64")
+    g.add_argument("--max-num-seqs", *([seqs_alias] if seqs_alias else []), type=int, default=None,
+                   help=f"sequences running at once (default: {max_num_seqs})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens in one engine step (prefill chunks + decodes), at least 64 (default: 2048)")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + output tokens per sequence (default: the model's max_position_embeddings)")
+                   help="prompt + output tokens per sequence, at most the model's max_position_embeddings (the "
+                        "default); an answer stops there")
+    g.add_argument("--max-context", type=int, default=None, metavar="MAX_MODEL_LEN",
+                   help="deprecated: the old name of --max-model-len")
     g.add_argument("--prefix-cache-bytes", type=int, default=None,
                    help="byte budget of the prefix cache (default: 16 KDA snapshots + a quarter of the MLA pool)")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
-    g.add_argument("--no-warmup", action="store_true",
-                   help="skip compiling and capturing every step shape before serving (first requests then wait)")
+    if warmup:
+        g.add_argument("--no-warmup", action="store_true",
+                       help="skip compiling and capturing every step shape before serving (first requests then wait)")
     g.add_argument("--speculative-method", choices=("suffix", "draft"), default=None,
                    help="speculative decoding: suffix (model-free, copies from the prompt and output) or draft "
                         "(a DSpark-style drafter, --speculative-model); the same output (greedy: the same tokens in "
@@ -30,7 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def speculative_config(args):
-    """The `SpeculativeConfig` the speculative flags ask for (None: off); a bad value names its flag."""
+    """The `SpeculativeConfig` the speculative flags ask for (None: off). Its own checks are the rules; their
+    messages name the flag."""
     from kimik3.inference.engine.config import SpeculativeConfig
 
     method, model, k = (getattr(args, a, None) for a in ("speculative_method", "speculative_model",
@@ -39,33 +57,50 @@ def speculative_config(args):
         if model is not None or k is not None:
             raise ValueError("--speculative-model and --num-speculative-tokens need --speculative-method")
         return None
-    if method == "draft" and not model:
-        raise ValueError("--speculative-method draft needs --speculative-model PATH (the drafter's folder)")
-    if method == "suffix" and model:
-        raise ValueError("--speculative-model is for --speculative-method draft, not suffix")
-    if k is not None and k < 1:
-        raise ValueError(f"--num-speculative-tokens must be at least 1, got {k}")
-    if model is not None and not Path(model).is_dir():
-        raise FileNotFoundError(f"--speculative-model {model}: no such folder")
-    return SpeculativeConfig(method, model, 4 if k is None else k)
-
-
-def engine_config(args, positions: int | None = None, *, warmup: bool = False):
-    """The `EngineConfig` the flags ask for; a bad value is a ValueError naming its flag. `positions`: the
-    model's max_position_embeddings (a --max-model-len past it is refused), when the config is read already."""
-    from kimik3.inference.engine import EngineConfig
-
-    flags = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
-             "max_model_len": "--max-model-len", "prefix_cache_bytes": "--prefix-cache-bytes"}
-    if positions is not None and args.max_model_len is not None and args.max_model_len > positions:
-        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {positions} positions "
-                         "(max_position_embeddings)")
+    given = {"num_speculative_tokens": k} if k is not None else {}
     try:
-        return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=args.max_model_len, prefix_cache_bytes=args.prefix_cache_bytes,
-                            enable_prefix_cache=not args.no_prefix_cache,
-                            warmup=warmup and not getattr(args, "no_warmup", False),
-                            speculative=speculative_config(args))
+        return SpeculativeConfig(method, model, **given)
+    except (ValueError, FileNotFoundError) as e:
+        raise _flag_error(e, SPECULATIVE_FLAGS) from None
+
+
+def max_model_len(args) -> int | None:
+    """--max-model-len, or its deprecated alias --max-context (with a warning that says so)."""
+    new, old = getattr(args, "max_model_len", None), getattr(args, "max_context", None)
+    if old is None:
+        return new
+    if new is not None and new != old:
+        raise ValueError(f"--max-context {old} and --max-model-len {new}: --max-context is the old name of "
+                         "--max-model-len; give only --max-model-len")
+    warnings.warn("--max-context is deprecated: use --max-model-len (the same setting)", stacklevel=2)
+    return old
+
+
+def engine_config(args, base, positions: int | None = None):
+    """The `EngineConfig` of the flags given, the others `base`'s (the command's defaults); a bad value is a
+    ValueError naming its flag. `positions`: the model's max_position_embeddings (a --max-model-len past it is
+    refused), when the config is read already."""
+    limit = max_model_len(args)
+    if positions is not None and limit is not None and limit > positions:
+        raise ValueError(f"--max-model-len {limit} exceeds the model's {positions} positions "
+                         "(max_position_embeddings)")
+    if args.no_prefix_cache and args.prefix_cache_bytes is not None:
+        raise ValueError("--prefix-cache-bytes sizes the prefix cache that --no-prefix-cache turns off: give one")
+    given = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                               ("max_num_batched_tokens", args.max_num_batched_tokens),
+                               ("max_model_len", limit), ("prefix_cache_bytes", args.prefix_cache_bytes))
+             if v is not None}
+    if args.no_prefix_cache or args.prefix_cache_bytes is not None:
+        given["enable_prefix_cache"] = not args.no_prefix_cache
+    if getattr(args, "no_warmup", False):
+        given["warmup"] = False
+    try:
+        return dataclasses.replace(base, **given, speculative=speculative_config(args))
     except ValueError as e:
-        field = str(e).split(" ", 1)[0]
-        raise ValueError(f"{flags.get(field, field)} {str(e).split(' ', 1)[1]}") from None
+        raise _flag_error(e, ENGINE_FLAGS) from None
+
+
+def _flag_error(e: Exception, flags: dict[str, str]) -> Exception:
+    """A config's error (its message starts with the field's name) with the command's flag in its place."""
+    field, _, rest = str(e).partition(" ")
+    return type(e)(f"{flags[field]} {rest}" if field in flags else str(e))

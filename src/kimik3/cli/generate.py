@@ -4,19 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from kimik3.cli import batch
-from kimik3.cli.common import (
-    add_model_args,
-    add_sampling_args,
-    check_context,
-    context_window,
-    end_ids,
-    load_model_and_tokenizer,
-    sampling_params,
-)
+from kimik3.cli.common import add_model_args, add_sampling_args, check_context, open_engine, sampling_params
 
 
 def add_parser(sub) -> None:
@@ -63,37 +56,31 @@ def run(args) -> int:
     if args.input:  # batch mode: a JSONL file through the serving engine
         return batch.run(args)
     from kimik3.cli.chat import ChatPrinter, user_turn
-    from kimik3.cli.engine_args import speculative_config
-    from kimik3.inference import stream
+    from kimik3.inference import engine_stream
+    from kimik3.inference.engine import EngineConfig
     from kimik3.vision import load_image
 
     prompt = read_prompt(args)
-    speculative = speculative_config(args)  # a bad flag fails before the load
     for image in args.image:  # a missing or unreadable file fails now, not after the load
         load_image(image)
-    model, tok, _ = load_model_and_tokenizer(args, vision=bool(args.image))
-    params = sampling_params(args)
+    params = sampling_params(args)  # bad sampling values fail before the (long) load
+    engine, _ = open_engine(args, EngineConfig(max_num_seqs=1), vision=bool(args.image))
+    if args.parallel:  # the ranks' common seed, drawn at their start
+        params = dataclasses.replace(params, seed=args.seed)
+    tok = engine.tokenizer
     if args.stream is None:
         args.stream = sys.stdout.isatty()
     chat = args.chat or bool(args.image)
     if chat:
-        ids, images = user_turn(model, tok, [], prompt, args.image, thinking=not args.no_think)
+        ids, images = user_turn(engine, tok, [], prompt, args.image, thinking=not args.no_think)
         printer = ChatPrinter(tok, thinking=not args.no_think)
     else:
         ids, images, printer = tok.encode(prompt), {}, None
-    window = context_window(args, model)
-    check_context(args, params, len(ids), window)
+    check_context(args, params, len(ids), engine.max_model_len)
     if not chat and args.stream:  # a continuation reads on from its prompt
         print(prompt, end="", flush=True)
     out = []
-    sync = None
-    if args.parallel:  # every rank continues with rank 0's tokens (their logits agree; this makes it certain)
-        import torch.distributed as dist
-
-        sync = lambda tokens: dist.broadcast(tokens, 0)  # noqa: E731
-    ends = end_ids(model, tok)
-    for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=ends,
-                         max_context=window, sync_tokens=sync, speculative=speculative, **images):
+    for events in engine_stream(engine, [ids], params, **images):
         for event in events:  # one prompt; several tokens in a step with speculative decoding
             if printer is not None:
                 printer.feed(event.token_id, show=args.stream)

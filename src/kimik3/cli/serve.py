@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-import json
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -26,9 +27,14 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: 1 for models under 100M parameters, else torch's; OMP_NUM_THREADS "
                         "counts as asked)")
-    add_engine_args(p)
+    add_engine_args(p, warmup=True)
     p.add_argument("--max-pending", type=int, default=1024,
                    help="admitted requests (running + waiting) at most; more get 503")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="the largest request body read; a larger one gets 413 before it is parsed (default: 16 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds a stop (Ctrl-C, SIGTERM) waits for connections to close after the requests in flight "
+                        "were ended (their streams with an error event); then it exits 0 (a second Ctrl-C: at once)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the hub id, else the folder name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
@@ -40,18 +46,10 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _generation_defaults(path) -> dict:
-    """Sampling defaults from the checkpoint's generation_config.json (the fields a request may leave unset)."""
-    from kimik3.checkpoint.folder import GENERATION_CONFIG
-
-    file = path / GENERATION_CONFIG
-    gen = json.loads(file.read_text()) if file.is_file() else {}
-    return {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
-
-
 def adapters(args) -> dict[str, str]:
-    """--lora NAME=PATH flags -> {name: path}, each folder's adapter config read (a wrong one fails before the load)."""
-    from kimik3.lora import read_config
+    """--lora NAME=PATH flags -> {name: path}, each folder's config and tensor names read: an adapter serving cannot
+    run fails before the load, in one line."""
+    from kimik3.lora.serving import check_servable
 
     out: dict[str, str] = {}
     for item in getattr(args, "lora", None) or []:
@@ -60,7 +58,7 @@ def adapters(args) -> dict[str, str]:
             raise ValueError(f"--lora {item!r}: expected NAME=PATH (a model name for requests, an adapter folder)")
         if name in out:
             raise ValueError(f"--lora {item!r}: the name {name!r} is given twice")
-        read_config(path)
+        check_servable(path)
         out[name] = path
     return out
 
@@ -68,45 +66,35 @@ def adapters(args) -> dict[str, str]:
 def check_args(args, path):
     """Every flag checked before anything starts (the engine's against the checkpoint's config): the config."""
     from kimik3.config import K3Config
+    from kimik3.inference.engine import EngineConfig
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.max_pending < 1:
         raise ValueError(f"--max-pending must be at least 1, got {args.max_pending}")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     args.adapters = adapters(args)
     positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
-    return engine_config(args, positions, warmup=True)
+    return engine_config(args, EngineConfig(warmup=True), positions)
 
 
 def build_engine(args, path, config=None):
-    """(engine, tokenizer, model vocabulary width) for `args` (bench/bench_serve.py builds through the same
-    flags). The engine warms up (compiles, captures its graphs) before it is returned, unless --no-warmup."""
+    """The engine for `args` (bench/bench_serve.py builds through the same flags), warmed up (compiled, its graphs
+    captured) before it is returned, unless --no-warmup."""
     import torch
 
-    import kimik3
-    from kimik3.cli.common import end_ids
-    from kimik3.inference.engine import Engine
-    from kimik3.inference.threads import pick_cpu_threads
-    from kimik3.quant import relayout_experts
-    from kimik3.tokenizer import Tokenizer
+    from kimik3.inference import load_engine
 
     config = config or check_args(args, path)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else None)
-    tokenizer = Tokenizer.from_file(path)
-    served = getattr(args, "adapters", None) or {}
-    # adapters on routed experts run over the stored MXFP4 codes (kimik3.lora.serving)
-    model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True,
-                        keep_experts_packed=bool(served)).eval()
-    pick_cpu_threads(model, device, args.threads)
-    if not served:
-        relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
-    log = logging.getLogger("kimik3.serve")
     if config.warmup:
-        log.info("warming up: every prefill shape up to %d tokens and the decode graphs", config.max_num_batched_tokens)
-    engine = Engine(model, config, eos_token_ids=end_ids(model, tokenizer), model_id=str(path), tokenizer=tokenizer,
-                    adapters=served or None)
-    return engine, tokenizer, model.config.text.vocab_size
+        logging.getLogger("kimik3.serve").info("warming up: every prefill shape up to %d tokens and the decode "
+                                               "graphs", config.max_num_batched_tokens)
+    return load_engine(path, config, device=device, dtype=args.dtype or (torch.float32 if device == "cpu" else None),
+                       adapters=getattr(args, "adapters", None) or None, threads=args.threads)
 
 
 def _check_address(host: str, port: int) -> None:
@@ -134,6 +122,7 @@ def run(args) -> int:
         raise ValueError(f"kimik3 serve needs the serve extra (pip install 'kimik3[serve]'): {e}") from None
     from kimik3.checkpoint.hub import is_hub_id
     from kimik3.cli.common import model_path
+    from kimik3.inference.sampling import generation_defaults
 
     path = model_path(args)
     config = check_args(args, path)
@@ -145,14 +134,16 @@ def run(args) -> int:
     if name in args.adapters:
         raise ValueError(f"--lora {name}=...: {name!r} is the base model's name (--served-model-name)")
     server = Server(ServerConfig(model_name=name, adapters=args.adapters, api_key=args.api_key,
-                                 max_pending=args.max_pending, defaults=_generation_defaults(path)))
+                                 max_pending=args.max_pending, defaults=generation_defaults(path),
+                                 **({} if args.max_request_bytes is None else
+                                    {"max_request_bytes": args.max_request_bytes})))
     app = build_app(server)
     failed: list[BaseException] = []
 
     def load() -> None:  # /health answers 503 while this runs
         try:
-            engine, tokenizer, vocab_size = build_engine(args, path, config)
-            server.attach(engine, tokenizer, vocab_size=vocab_size)
+            engine = build_engine(args, path, config)
+            server.attach(engine, engine.tokenizer, vocab_size=engine.vocab_size)
             logging.getLogger("kimik3.serve").info("serving %s as %r on http://%s:%d", path,
                                                    server.config.model_name, args.host, args.port)
         except BaseException as e:
@@ -160,7 +151,32 @@ def run(args) -> int:
             logging.getLogger("kimik3.serve").exception("loading %s failed", path)
             uv.should_exit = True
 
-    uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            """The first stop ends the requests in flight, so the drain that follows is short, and at most
+            --shutdown-timeout; another one changes nothing (uvicorn's forced exit would skip the app's shutdown)."""
+            if self.should_exit:
+                logging.getLogger("kimik3.serve").warning("stopping: at most %.0f s more", args.shutdown_timeout)
+                return
+            server.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's, without raising the signal again once it shut down (inside asyncio's runner that cancels
+            the app's lifespan mid-shutdown and logs a traceback): a stop asked for ends here, with status 0."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    uv = Uvicorn(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout))
     # a thread starts with a fresh context: run it in a copy of ours, so it keeps the command's MoE backend
     loader = threading.Thread(target=contextvars.copy_context().run, args=(load,), name="kimik3-load", daemon=True)
     loader.start()
@@ -169,14 +185,15 @@ def run(args) -> int:
         code = 0
     except SystemExit as e:  # uvicorn exits when it cannot start (a bind that failed after our check)
         code = e.code if isinstance(e.code, int) and e.code else 1
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+    except KeyboardInterrupt:  # a Ctrl-C before uvicorn took the signals over
         code = 130
     if failed:
         print(f"kimik3 serve: error: {failed[0]}", file=sys.stderr)
         return 1
-    if loader.is_alive():
-        # stopped while the model was still loading: the loader is inside torch, and finalizing the interpreter
-        # under it aborts the process ("terminate called without an active exception"); leave without finalizing
+    # the engine thread ends after its current step (a second Ctrl-C skipped the app's own shutdown); the loader
+    # may be inside torch still: finalizing the interpreter under a running thread aborts the process ("terminate
+    # called without an active exception"), so then leave without finalizing
+    if not server.shutdown(args.shutdown_timeout) or loader.is_alive():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -239,6 +239,8 @@ def _text_from_hf(t: dict) -> TextConfig:
     first_dense = _get(t, "first_k_dense_replace", w, kind=int)
     freq = _get(t, "moe_layer_freq", w, kind=int)
     _check(freq >= 1, w + "moe_layer_freq", f"must be a positive integer (got {freq})")
+    _check(not _get(t, "tie_word_embeddings", w, False, bool), w + "tie_word_embeddings",
+           "must be false: K3's LM head is its own tensor (lm_head.weight)")
     return TextConfig(
         vocab_size=_get(t, "vocab_size", w, kind=int),
         hidden_size=_get(t, "hidden_size", w, kind=int),
@@ -251,7 +253,6 @@ def _text_from_hf(t: dict) -> TextConfig:
         situ_linear_beta=_get(t, "activation_situ_linear_beta", w, kind=float),
         attn_res_block_size=_get(t, "attn_res_block_size", w, kind=int),
         pad_token_id=_get(t, "pad_token_id", w, None, int),
-        tie_word_embeddings=_get(t, "tie_word_embeddings", w, False, bool),
         kda=kda,
         mla=mla,
         moe=moe,

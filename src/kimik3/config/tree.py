@@ -124,7 +124,6 @@ class TextConfig:
         situ_beta, situ_linear_beta: SiTU-GLU constants (4.0, 25.0).
         attn_res_block_size: layers per attention-residual block (12).
         pad_token_id: padding row of the embedding.
-        tie_word_embeddings: always False for K3 (the LM head is its own tensor).
         initializer_range: std of the random init (training from scratch).
         max_position_embeddings: the most tokens (prompt + generated) a sequence may hold, as trained
             (K3 has no positional encoding, so nothing breaks past it; generation still stops there).
@@ -144,7 +143,6 @@ class TextConfig:
     situ_linear_beta: float
     attn_res_block_size: int
     pad_token_id: int | None
-    tie_word_embeddings: bool
     kda: KDAConfig
     mla: MLAConfig
     moe: MoEConfig

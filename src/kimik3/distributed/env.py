@@ -1,6 +1,6 @@
 """Process-group set-up from torchrun's environment, and the few collectives the trainer needs.
 
-`torchrun --nproc_per_node N -m kimik3.cli train CONFIG.toml` sets RANK, WORLD_SIZE and LOCAL_RANK; a plain
+`torchrun --nproc_per_node N -m kimik3 train CONFIG.toml` sets RANK, WORLD_SIZE and LOCAL_RANK; a plain
 `kimik3 train` runs as rank 0 of 1 with no process group. CPU ranks use gloo, CUDA ranks NCCL.
 """
 

@@ -14,6 +14,7 @@ engine's prefix cache, and each continuation after it restores that and computes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import deque
 from collections.abc import Sequence
@@ -25,10 +26,11 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-import kimik3
-from kimik3.inference import SamplingParams
-from kimik3.inference.engine import Engine, Request
+from kimik3.config import K3Config
+from kimik3.inference import SamplingParams, load_engine
+from kimik3.inference.engine import Engine, EngineConfig, Request
 from kimik3.inference.engine.request import accumulate
+from kimik3.inference.load import end_ids
 from kimik3.tokenizer import Tokenizer
 
 
@@ -37,41 +39,50 @@ class KimiK3LM(TemplateLM):
     """A kimik3 model for lm-eval.
 
     Args:
-        pretrained: a checkpoint folder or hub id (loaded with kimik3.load), or pass `model` and `tokenizer`.
+        pretrained: a checkpoint folder or hub id (loaded by `kimik3.inference.load_engine`), or pass `model` and
+            `tokenizer`.
         dtype: compute dtype (default float32 on the CPU, the checkpoint's on CUDA).
         device: cpu or cuda (default cuda when available).
         batch_size: sequences the engine runs at once (its max_num_seqs).
         max_length: tokens one scored sequence may hold (default: the model's max_position_embeddings, as
             lm-eval's hf backend reads it); longer inputs are cut on the left, as lm-eval does.
         max_gen_toks: generation budget when a task gives none.
+        config: the engine's knobs (`kimik3 eval`'s engine flags); its max_num_seqs is the batch size and its
+            max_model_len, when set, max_length + 2 (a scored sequence's ids and the token sampled after them).
     """
 
     def __init__(self, pretrained: str | None = None, *, model=None, tokenizer: Tokenizer | None = None,
                  dtype: str | torch.dtype | None = None, device: str | None = None, batch_size: int | str = 8,
-                 max_length: int | None = None, max_gen_toks: int = 256, revision: str | None = None):
+                 max_length: int | None = None, max_gen_toks: int = 256, revision: str | None = None,
+                 config: EngineConfig | None = None):
         super().__init__()
         if (pretrained is None) == (model is None):
             raise ValueError("KimiK3LM: pass pretrained=PATH (or a hub id), or model= and tokenizer=")
+        if model is not None and tokenizer is None:
+            raise ValueError("KimiK3LM: model= needs tokenizer= (a kimik3.tokenizer.Tokenizer)")
+        if config is None:
+            config = EngineConfig(max_num_seqs=int(batch_size) if str(batch_size) != "auto" else 8)
+        path = None
         if model is None:
             from kimik3.checkpoint.hub import resolve
 
             path = resolve(pretrained, revision)
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            dtype = dtype or (torch.float32 if device == "cpu" else None)
-            model = kimik3.load(path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
-                                device=device, text_only=True, quiet=True).eval()
-            tokenizer = Tokenizer.from_file(path)
-        if tokenizer is None:
-            raise ValueError("KimiK3LM: model= needs tokenizer= (a kimik3.tokenizer.Tokenizer)")
-        self.model, self.tok = model, tokenizer
-        text = model.config.text if hasattr(model.config, "text") else model.config
-        self.max_length = int(max_length or text.max_position_embeddings)
+            positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
+        else:
+            positions = (model.config.text if hasattr(model.config, "text") else model.config).max_position_embeddings
+        limit = max_length or (config.max_model_len - 2 if config.max_model_len else positions)
+        self.max_length = int(limit)
         self.max_gen_toks = int(max_gen_toks)
-        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
-        eos = sorted({tokenizer.eos_id, getattr(model.config, "eos_token_id", None)} - {None})
+        self.batch_size = config.max_num_seqs
         # one sequence holds at most max_length + 1 scored ids, or a context plus its generation budget
-        self.engine = Engine(model, max_num_seqs=self.batch_size, max_model_len=self.max_length + 2,
-                             eos_token_ids=eos, tokenizer=tokenizer)
+        config = dataclasses.replace(config, max_model_len=self.max_length + 2)
+        if model is None:
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            self.engine = load_engine(path, config, device=device,
+                                      dtype=dtype or (torch.float32 if device == "cpu" else None))
+        else:
+            self.engine = Engine(model, config, eos_token_ids=end_ids(model, tokenizer), tokenizer=tokenizer)
+        self.tok = self.engine.tokenizer
         self.scored_tokens = 0  # prompt tokens the engine computed for loglikelihoods (less prefix-cache hits)
 
     @property
@@ -192,14 +203,15 @@ class KimiK3LM(TemplateLM):
 
 def evaluate(model: str, tasks: Sequence[str], *, include_path: str | None = None, limit: float | None = None,
              num_fewshot: int | None = None, batch_size: int = 8, device: str | None = None, dtype: str | None = None,
-             revision: str | None = None, output_path: str | Path | None = None, log_samples: bool = False) -> dict:
+             revision: str | None = None, output_path: str | Path | None = None, log_samples: bool = False,
+             config: EngineConfig | None = None) -> dict:
     """Run lm-eval `tasks` on a kimik3 model in process; returns lm-eval's results dict (written as JSON to
     `output_path` when given)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    lm = KimiK3LM(model, dtype=dtype, device=device, batch_size=batch_size, revision=revision)
+    lm = KimiK3LM(model, dtype=dtype, device=device, batch_size=batch_size, revision=revision, config=config)
     results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                               task_manager=manager, log_samples=log_samples)
     if results is None:

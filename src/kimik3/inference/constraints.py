@@ -188,6 +188,11 @@ class GrammarConstraint:
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(int(token_id))
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows alone from here (llguidance's fast-forward tokens), not consumed: a forced
+        tool call's opening (the channel markers, the call header, its JSON up to the first free value)."""
+        return [] if self._matcher.is_error() else list(self._matcher.compute_ff_tokens())
+
     def rollback(self, n: int) -> None:
         """Undo the last n accepted tokens (speculative decoding walks the drafts through the grammar)."""
         self._matcher.rollback(n)

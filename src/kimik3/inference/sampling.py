@@ -16,12 +16,16 @@ Run a request alone, or in fp32, to reproduce it.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from kimik3.checkpoint.folder import GENERATION_CONFIG
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,10 @@ class SamplingParams:
         frequency_penalty: subtracted from a token's logit once per time it was generated.
         logit_bias: (token id, bias) pairs added to the logits before sampling.
         ignore_eos: keep generating past the model's end-of-turn ids (stop_token_ids still stop).
+        detokenize: the engine makes the output's text (an engine given a tokenizer): what stop strings are matched
+            over. False for a caller that makes the text itself (the server: each id is decoded once, there).
+        skip_special_tokens: that text leaves out special ids (markers such as <|end_of_msg|>); by default they are
+            written literally.
     Log-probabilities are those of the model's raw distribution (before penalties, temperature and
     truncation). The engine honours every field (`generate()` runs on it; its results carry one choice).
     """
@@ -65,6 +73,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     ignore_eos: bool = False
+    detokenize: bool = True
+    skip_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         # finite real numbers first: inf and nan pass comparisons like `>= 0` (or fail them with a misleading
@@ -99,6 +109,9 @@ class SamplingParams:
                                 and _is_real(kv[1]) and math.isfinite(kv[1])),
              "must be (token id >= 0, finite bias) pairs"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be True or False"),
+            ("detokenize", isinstance(self.detokenize, bool) and (self.detokenize or not self.stop),
+             "must be True or False, and True with stop strings (they are matched over the engine's text)"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be True or False"),
         )
         for name, ok, msg in checks:
             if not ok:
@@ -107,6 +120,29 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+
+
+# what a checkpoint's generation_config.json may set (Hugging Face's keys that are SamplingParams fields too)
+GENERATION_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def generation_defaults(folder: str | Path) -> SamplingParams:
+    """The sampling defaults a checkpoint ships: its generation_config.json's GENERATION_KEYS over SamplingParams'
+    own (no file: those alone). Read once per command; a request's or a flag's value replaces a field. A bad file
+    is a ValueError naming it."""
+    file = Path(folder) / GENERATION_CONFIG
+    if not file.is_file():
+        return SamplingParams()
+    try:
+        gen = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(gen, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(gen).__name__}")
+    try:
+        return SamplingParams(**{k: gen[k] for k in GENERATION_KEYS if k in gen})
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
 
 
 def _is_int(v) -> bool:

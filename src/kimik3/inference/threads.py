@@ -2,9 +2,8 @@
 
 A small model's per-token matmuls (the demo K3: hidden 256, 20M parameters) are too short for a second thread
 to pay for its synchronization, and on a busy machine every op waits for the slowest, possibly descheduled,
-thread: decoding the demo model with torch's default 2 threads on a loaded 2-core machine measured 276 ms per
-token against 28 ms with one thread (25 ms vs 26 ms when the machine was idle). Large models keep torch's
-default, where the threads share real work.
+thread (docs/inference.md has the measurement). Large models keep torch's default, where the threads share real
+work.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ F expert width.
 
     adapters = lora.attach_adapters(model, {"poet": "runs/poet/adapter", "sql": "runs/sql/adapter"})
     with adapters.rows(index_T):          # [T] int64: 0..K-1 an adapter (in the dict's order), -1 the base
-        logits = model(ids_1T, state=pool, step=step)
+        logits, _ = model.run_step(ids_1T, pool, step)
 
 Every module some adapter targets is replaced by its served version: `ServedLinear` (the base `nn.Linear`, its
 weight shared, plus the K adapters' factors stacked [K, R, I] / [K, O, R]) or `ServedExperts` (the packed experts,
@@ -14,9 +14,11 @@ there (its update is exactly 0). The base GEMM runs once over all T rows; the up
 `kimik3.ops.lora.lora_delta`, grouped per adapter. Outside `rows(...)` (or with no adapter in the batch) the
 modules compute the base alone, bit for bit.
 
-Not every Linear is applied to the step's T token rows: MLA's kv_b_proj is read as a weight by the cached
-attention (absorbed into the queries) and the AttnRes projections by the depth mix, so adapters on those are
-refused here (merge such an adapter instead: `kimik3 lora merge`).
+MLA's kv_b_proj is not applied to the step's token rows: the cached attention reads it as a weight (absorbed into
+the queries and the output) or over cached keys. Its adapters' factors go to the layer's `kv_b_updates`
+(`kimik3.model.mla.LatentUpdates`), which that attention applies per sequence on both of its paths. What serving
+cannot run (a weight read past any module: the AttnRes projections, lm_head; no adapter `kimik3 lora` trains targets
+them) is refused by `check_servable` from the adapter's header alone, before the model loads.
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ from torch import Tensor, nn
 from kimik3.lora.apply import UNSUPPORTED, released_prefix
 from kimik3.lora.layers import PROJECTIONS
 from kimik3.lora.peft import NESTING, PREFIX, WEIGHTS, _from_peft, read_config
+from kimik3.model.mla import LatentUpdates, MultiHeadLatentAttention
 from kimik3.model.moe import MXFP4Experts, RoutedExperts, packed_weights
 from kimik3.ops.lora import AdapterWeights, lora_delta
-
-NOT_ON_TOKEN_ROWS = ("kv_b_proj", "self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj")
 
 
 class AdapterRows:
@@ -87,6 +88,17 @@ class ServedLinear(nn.Linear):
         if index is None:
             return y
         return y + lora_delta(x_NI, index, self.lora_A, self.lora_B, self.lora_scale).view(y.shape)
+
+
+def _latent_updates(base: nn.Linear, rows: AdapterRows, a: list[Tensor | None], b: list[Tensor | None],
+                    scale: list[float]) -> LatentUpdates:
+    """kv_b_proj's K adapters as `LatentUpdates` (A [K, R, C], scale * B [K, O, R]; zeros for an adapter without
+    one), applied per the step's adapter rows."""
+    R = max(f.shape[0] for f in a if f is not None)
+    kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+    B = _stack(b, (base.out_features, R), **kw) * torch.tensor(scale, **kw)[:, None, None]
+    return LatentUpdates(_stack(a, (R, base.in_features), **kw), B,
+                         lambda: rows.index if rows.index is not None and rows.any else None)
 
 
 class ServedExperts(RoutedExperts):
@@ -143,6 +155,30 @@ class ServedAdapters:
             r.index, r.any = None, False
 
 
+def check_servable(path: str | Path) -> None:
+    """Refuse, from the adapter folder's config and tensor names alone (nothing is loaded), an adapter that serving
+    cannot run: one on a module whose weight is read past any module forward (`UNSUPPORTED`). A ValueError names
+    the folder and the module."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    read_config(path)
+    file = path / WEIGHTS
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: not an adapter folder (no {WEIGHTS})")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception as e:  # noqa: BLE001 (safetensors raises its own error types for a truncated or foreign file)
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+    for key in keys:
+        module = key.removeprefix(PREFIX).split(".lora_")[0]
+        leaf = module.split(".")[-1]
+        if leaf in UNSUPPORTED:
+            raise ValueError(f"{path}: adapter on {module}, which serving cannot run ({UNSUPPORTED[leaf]}); "
+                             "merge it instead (kimik3 lora merge)")
+
+
 def _read(path: Path) -> tuple[dict[str, Tensor], float, float]:
     """(the adapter's tensors, its Linear scale alpha / rank, its experts' alpha)."""
     cfg = read_config(path)
@@ -163,7 +199,8 @@ def attach_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> Served
             (or a module whose use the served path cannot follow, see the module docstring), wrong shapes, dense
             experts, a model that already has adapters.
     """
-    if any(isinstance(m, (ServedLinear, ServedExperts)) for m in model.modules()):
+    if any(isinstance(m, (ServedLinear, ServedExperts)) or getattr(m, "kv_b_updates", None) is not None
+           for m in model.modules()):
         raise ValueError("attach_adapters: the model already has served adapters")
     names, paths = list(adapters), [Path(p) for p in adapters.values()]
     read = [_read(p) for p in paths]
@@ -179,9 +216,9 @@ def attach_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> Served
             if not hits:
                 continue
             leaf = name.split(".")[-1]
-            if leaf in UNSUPPORTED or leaf in NOT_ON_TOKEN_ROWS:
-                raise ValueError(f"{paths[hits[0]]}: adapter on {released}, which serving cannot run as a "
-                                 "per-token update (see kimik3.lora.serving); merge it instead (kimik3 lora merge)")
+            if leaf in UNSUPPORTED:
+                raise ValueError(f"{paths[hits[0]]}: adapter on {released}, which serving cannot run "
+                                 f"({UNSUPPORTED[leaf]}); merge it instead (kimik3 lora merge)")
             a, b = [], []
             for k, (t, _, _) in enumerate(read):
                 if k not in hits:
@@ -193,6 +230,11 @@ def attach_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> Served
                                      f"[{module.out_features}, {module.in_features}]")
                 used[k].update(keys)
                 a.append(ta), b.append(tb)
+            parent = model.get_submodule(name.rpartition(".")[0])
+            if isinstance(parent, MultiHeadLatentAttention) and leaf == "kv_b_proj":  # read as a weight: see above
+                parent.kv_b_updates = _latent_updates(module, rows, a, b, [r[1] for r in read])
+                done.append(released)
+                continue
             new = ServedLinear(module, released, rows, a, b, [r[1] for r in read])
         elif isinstance(module, nn.Module) and any(f"{PREFIX}{released}.lora_A.weight" in t for t, _, _ in read):
             if not isinstance(module, MXFP4Experts):

@@ -76,7 +76,7 @@ def cached_hidden(lm, input_ids: Tensor, cache: Cache, attention_mask: Tensor | 
     keep = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
     keep[rows] = True if keep_BT is None else keep_BT[rows]
     embeds = None if inputs_embeds is None else inputs_embeds[keep][None]
-    h_TD = lm.model(input_ids[keep][None], state=cache.pool, step=step, inputs_embeds=embeds)[0]
+    h_TD = lm.model.cached(input_ids[keep][None], cache.pool, step, embeds)[0][0]
     out = h_TD.new_zeros(B, T, h_TD.shape[-1])
     out[keep] = h_TD
     return out

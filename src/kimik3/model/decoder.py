@@ -22,7 +22,7 @@ from kimik3.model.mlp import MLP
 from kimik3.model.moe import LatentMoE
 from kimik3.model.norm import RMSNorm
 from kimik3.model.state import KDAView, MLAView
-from kimik3.model.step import Step
+from kimik3.model.step import KDAStepIO, Step
 from kimik3.ops.attnres import attn_res_mix
 
 
@@ -54,18 +54,22 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(self, partial: Tensor, blocks: Tensor, cu_seqlens: Tensor | None = None,
-                state: KDAView | MLAView | None = None, step: Step | None = None) -> tuple[Tensor, Tensor]:
-        """Returns the new running sum and the (possibly extended) stack of stored blocks [M, B, T, D].
+                state: KDAView | MLAView | None = None, step: Step | None = None
+                ) -> tuple[Tensor, Tensor, KDAStepIO | None]:
+        """Returns the new running sum, the (possibly extended) stack of stored blocks [M, B, T, D], and what a
+        cached attention gave back (`KDAStepIO`; None without state).
 
         `state` is this layer's view of a StatePool (updated in place) and `step` where this call's tokens go.
         """
         a = depth_mix(blocks, partial, self.self_attention_res_norm, self.self_attention_res_proj) if len(blocks) \
             else partial
-        o = self.self_attn(self.input_layernorm(a), cu_seqlens, state, step)
+        x = self.input_layernorm(a)
+        out = self.self_attn(x, cu_seqlens, state, step)
+        o, io = (out, None) if state is None else out
         if self.starts_block:
             blocks = torch.cat([blocks, partial[None]])  # once per block: 8 times in K3's 93 layers
             partial = o
         else:
             partial = partial + o
         m = depth_mix(blocks, partial, self.mlp_res_norm, self.mlp_res_proj)
-        return partial + self.ffn(self.post_attention_layernorm(m)), blocks
+        return partial + self.ffn(self.post_attention_layernorm(m)), blocks, io

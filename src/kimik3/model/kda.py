@@ -15,13 +15,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config import TextConfig
 from kimik3.model.norm import GatedRMSNorm
 from kimik3.model.state import KDAStateSpec, KDAView
-from kimik3.model.step import Step
+from kimik3.model.step import KDAStepIO, Step
 from kimik3.ops.kda import chunk_kda_with_gate, chunk_kda_with_gate_checkpoints, recurrent_kda_with_gate
 from kimik3.ops.shortconv import decode_short_conv, gathered_short_conv, short_conv
 
@@ -48,12 +47,6 @@ class ShortConvolution(nn.Module):
     def decode(self, x_NP: Tensor, tails_SWP: Tensor, slots_N: Tensor) -> Tensor:
         """One new token per sequence against its cached tail (moved on in place): [N, P] (`decode_short_conv`)."""
         return decode_short_conv(x_NP, tails_SWP, slots_N, self.weight.float().squeeze(1))
-
-    def last(self, window_BWP: Tensor) -> Tensor:
-        """The output at the newest of W consecutive tokens, written out over the window: the form `decode`
-        computed before it was one fused op, kept as its oracle in the tests. [B, 1, P]."""
-        y_BP = (window_BWP.float() * self.weight.float().squeeze(1).T).sum(1)
-        return F.silu(y_BP)[:, None].to(window_BWP.dtype)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -83,11 +76,12 @@ class KimiDeltaAttention(nn.Module):
         return KDAStateSpec(self.num_heads, self.head_dim, self.q_proj.out_features, self.q_conv1d.weight.shape[-1])
 
     def forward(self, x_BTD: Tensor, cu_seqlens: Tensor | None = None, state: KDAView | None = None,
-                step: Step | None = None) -> Tensor:
-        """x [B, T, D] -> [B, T, D]. Without state: whole sequences (training, prefill of packed documents).
-        With this layer's `state` and a `step`: the step's packed chunks [1, T], each continuing its slot."""
+                step: Step | None = None) -> Tensor | tuple[Tensor, KDAStepIO | None]:
+        """Without state: whole sequences (training, prefill of packed documents), x [B, T, D] -> [B, T, D]. With
+        this layer's `state` and a `step`: `cached` (a pair: the output and what the step gave back), through the
+        module's call so that hooks and counters see it as this module's."""
         if state is not None:
-            return self._cached(x_BTD, state, step)
+            return self.cached(x_BTD, state, step)
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
         q_BTHK, k_BTHK, v_BTHK = (mod(proj(x_BTD), cu_seqlens).view(B, T, H, K) for mod, proj in
@@ -100,14 +94,14 @@ class KimiDeltaAttention(nn.Module):
         o_BTHK = self.o_norm(o_BTHK, self.g_proj(x_BTD).view(B, T, H, K))
         return self.o_proj(o_BTHK.reshape(B, T, H * K))
 
-    def _cached(self, x_1TD: Tensor, pool: KDAView, step: Step) -> Tensor:
-        """N packed chunks [1, T], each continuing the state in its slot.
+    def cached(self, x_1TD: Tensor, pool: KDAView, step: Step) -> tuple[Tensor, KDAStepIO | None]:
+        """The step's N packed chunks [1, T, D], each continuing the state in its slot -> ([1, T, D], what the step
+        read beyond the slots: `KDAStepIO`, or None when it asked for nothing).
 
         Uniform steps (every chunk `step.row_len` tokens: decode, graphed verification) run the recurrent kernel
         over [N, row_len]; anything else the chunked kernel over the packed row (varlen), each sequence from its
-        slot's state. States the step exports (prefix snapshots) are appended to `step.kda_exports` as
-        (recurrent [E, H, K, V], conv q, k, v [E, W-1, P]). The slots of sequences verifying a draft
-        (`step.verify`) are left as they were: their inputs are saved for `commit`."""
+        slot's state. The slots of sequences verifying a draft (`step.verify`) are left as they were: their inputs
+        come back for `commit`."""
         _, T, _ = x_1TD.shape
         H, K = self.num_heads, self.head_dim
         x_TD = x_1TD[0]
@@ -118,12 +112,12 @@ class KimiDeltaAttention(nn.Module):
         own = (lambda x: x) if vr is None else (lambda x: x[vr.others])  # noqa: E731
 
         def conv(mod: ShortConvolution, proj: nn.Linear, tails: Tensor) -> Tensor:
-            if step.decode_only and step.kda_exports is None:
+            if step.decode_only and step.export_pick is None:
                 # one token per sequence: its window is the slot's tail and the new input, in one fused op
                 return mod.decode(proj(x_TD), tails, step.slots).view(1, T, H, K)
             ext_XP = torch.cat([proj(x_TD), tails[step.slots].flatten(0, 1)])
             out_TP = mod.gathered(ext_XP, step.conv_index)
-            if step.kda_exports is not None:
+            if step.export_pick is not None:
                 exports.append(ext_XP[step.export_tail_index])
             if vr is not None:
                 tails_in.append(ext_XP[vr.tail_rows])
@@ -152,21 +146,22 @@ class KimiDeltaAttention(nn.Module):
             o, state = chunk_kda_with_gate(q, k, v, g, beta, self.A_log, self.dt_bias, output_final_state=True,
                                            cu_seqlens=step.cu_seqlens, **kw)
             inner = state.new_empty(0, *state.shape[1:])
-        if step.kda_exports is not None:
-            step.kda_exports.append((torch.cat([inner, state])[step.export_pick], *exports))
-        if vr is not None:
-            vr.save(*(t[0][vr.rows] for t in (k, v, g, beta)), *tails_in)
+        io = None
+        if step.export_pick is not None or vr is not None:
+            io = KDAStepIO(exports=None if step.export_pick is None else
+                           (torch.cat([inner, state])[step.export_pick], *exports),
+                           saved=None if vr is None else (*(t[0][vr.rows] for t in (k, v, g, beta)), *tails_in))
         if writes:
             pool.recurrent.index_copy_(0, own(step.slots), own(state).float())
         o = self.o_norm(o, self.g_proj(x_1TD).view(1, T, H, K))
-        return self.o_proj(o.reshape(1, T, H * K))
+        return self.o_proj(o.reshape(1, T, H * K)), io
 
     def commit(self, pool: KDAView, saved: tuple[Tensor, ...], slots_N: Tensor, keep_N: Tensor) -> None:
         """After verification: each verifying sequence's slot becomes its state after the first `keep_N[n]`
         tokens of its row. The delta rule runs again from the slot (the forward left it as it was) over the
         saved inputs, the positions past keep masked by a log-decay of 0 and a write strength of 0 (logits of
         -inf through the gate's sigmoids), which leave the state unchanged exactly; the conv tails become the
-        W-1 pre-conv inputs ending at keep. `saved`: this layer's `VerifyRows.saved` entry."""
+        W-1 pre-conv inputs ending at keep. `saved`: this layer's `KDAStepIO.saved` of the verifying step."""
         k, v, g, beta, *tails_in = saved
         N, L = k.shape[:2]
         live_NL = torch.arange(L, device=keep_N.device) < keep_N[:, None]

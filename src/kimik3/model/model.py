@@ -9,8 +9,6 @@ Legend: B batch, T tokens, D hidden, Vocab vocabulary.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor, nn
 
@@ -20,7 +18,7 @@ from kimik3.model.decoder import DecoderLayer, depth_mix
 from kimik3.model.init import init_weights
 from kimik3.model.norm import RMSNorm
 from kimik3.model.state import StatePool
-from kimik3.model.step import Step
+from kimik3.model.step import KDAStepIO, Step
 from kimik3.model.vision import MMProjector, VisionTower, encode_images, tokens_per_image
 
 
@@ -44,22 +42,30 @@ class K3TextModel(nn.Module):
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False, dtype=dtype)
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, state: StatePool | None = None,
-                step: Step | None = None, inputs_embeds: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, inputs_embeds: Tensor | None = None
+                ) -> Tensor:
         """input_ids [B, T] -> final hidden state [B, T, D] (see K3ForCausalLM.forward)."""
-        if (state is None) != (step is None):
-            raise ValueError("a StatePool runs with a Step, and only with one")
-        if state is not None and (cu_seqlens is not None or input_ids.shape[0] != 1):
-            raise ValueError("a step packs its sequences in one row [1, T] (its own boundaries); cu_seqlens is "
-                             "for forwards without state")
-        # a cached forward writes the state in place: inference only, it records no autograd graph
-        with torch.no_grad() if state is not None else contextlib.nullcontext():
-            h_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-            blocks = h_BTD.new_empty(0, *h_BTD.shape)
-            for i, layer in enumerate(self.layers):
-                h_BTD, blocks = layer(h_BTD, blocks, cu_seqlens, state.layers[i] if state is not None else None,
-                                      step)
-            return self.norm(depth_mix(blocks, h_BTD, self.output_attn_res_norm, self.output_attn_res_proj))
+        return self._run(input_ids, cu_seqlens, None, None, inputs_embeds)[0]
+
+    def cached(self, input_ids: Tensor, state: StatePool, step: Step, inputs_embeds: Tensor | None = None
+               ) -> tuple[Tensor, list[KDAStepIO]]:
+        """A step's packed chunks [1, T] over `state` -> (final hidden state [1, T, D], what each KDA layer gave
+        back, in layer order, where it gave anything: `KDAStepIO`). Writes the state in place; no autograd graph."""
+        if input_ids.shape[0] != 1:
+            raise ValueError("a step packs its sequences in one row [1, T] (its own boundaries)")
+        with torch.no_grad():
+            return self._run(input_ids, None, state, step, inputs_embeds)
+
+    def _run(self, input_ids: Tensor, cu_seqlens: Tensor | None, state: StatePool | None, step: Step | None,
+             inputs_embeds: Tensor | None) -> tuple[Tensor, list[KDAStepIO]]:
+        h_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        blocks = h_BTD.new_empty(0, *h_BTD.shape)
+        ios = []
+        for i, layer in enumerate(self.layers):
+            h_BTD, blocks, io = layer(h_BTD, blocks, cu_seqlens, state.layers[i] if state is not None else None, step)
+            if io is not None:
+                ios.append(io)
+        return self.norm(depth_mix(blocks, h_BTD, self.output_attn_res_norm, self.output_attn_res_proj)), ios
 
 
 class K3ForCausalLM(nn.Module):
@@ -79,35 +85,37 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
     def forward(self, input_ids: Tensor, *, cu_seqlens: Tensor | None = None, cache: Cache | None = None,
-                attention_mask: Tensor | None = None, state: StatePool | None = None, step: Step | None = None,
-                inputs_embeds: Tensor | None = None, logits_at: Tensor | None = None) -> Tensor:
+                attention_mask: Tensor | None = None, inputs_embeds: Tensor | None = None) -> Tensor:
         """input_ids [B, T] int64 -> logits [B, T, Vocab] in the compute dtype.
 
-        Three modes: no state (training, prefill of whole sequences); an explicit `cache` from `new_cache`
-        (the new tokens of each row are appended to it: prefill, chunked prefill or decode, ragged rows with
-        `attention_mask`); or a `state` pool with a `step` (the serving engine's packed chunks, B == 1).
+        Two modes: no state (training, prefill of whole sequences); or an explicit `cache` from `new_cache` (the
+        new tokens of each row are appended to it: prefill, chunked prefill or decode, ragged rows with
+        `attention_mask`). The serving engine's packed steps run through `run_step`.
 
         Args:
             cu_seqlens: [N+1] document boundaries packed in one row (B == 1, no state); no token sees another.
             cache: from `new_cache`; `attention_mask` [B, T] marks the tokens to append (0: left padding, say;
                 those rows of the logits are zeros).
-            state, step: a `StatePool` and the `Step` naming each sequence's slot, blocks and new tokens.
             inputs_embeds: [B, T, D] used instead of embedding input_ids (images spliced in by the wrapper).
-            logits_at: [M] token indices: project only those rows, -> [B, M, Vocab] (the engine samples each
-                sequence's last token; the LM head over a whole prefill chunk would be wasted).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if cache is not None:
-            if cu_seqlens is not None or state is not None:
-                raise ValueError("cache= runs alone: cu_seqlens packs documents for forwards without state, and "
-                                 "state/step are the engine's form")
+            if cu_seqlens is not None:
+                raise ValueError("cache= runs alone: cu_seqlens packs documents for forwards without state")
             return self.lm_head(cached_hidden(self, input_ids, cache, attention_mask, inputs_embeds))
         if attention_mask is not None:
             raise ValueError("attention_mask marks the tokens to append to a cache; pack documents with cu_seqlens "
                              "instead")
-        h_BTD = self.model(input_ids, cu_seqlens=cu_seqlens, state=state, step=step, inputs_embeds=inputs_embeds)
-        return self.lm_head(h_BTD if logits_at is None else h_BTD[:, logits_at])
+        return self.lm_head(self.model(input_ids, cu_seqlens=cu_seqlens, inputs_embeds=inputs_embeds))
+
+    def run_step(self, input_ids: Tensor, state: StatePool, step: Step, *, inputs_embeds: Tensor | None = None,
+                 logits_at: Tensor | None = None) -> tuple[Tensor, list[KDAStepIO]]:
+        """The serving engine's step: `step`'s packed chunks [1, T] over the `state` pool -> (logits [1, M, Vocab]
+        at the packed rows `logits_at` [M] (all T when None: the LM head over a whole prefill chunk would be
+        wasted), what the KDA layers gave back (`K3TextModel.cached`))."""
+        h_1TD, ios = self.model.cached(input_ids, state, step, inputs_embeds)
+        return self.lm_head(h_1TD if logits_at is None else h_1TD[:, logits_at]), ios
 
     def new_cache(self, batch_size: int, max_length: int) -> Cache:
         """An empty cache for `batch_size` sequences of up to `max_length` tokens, on the model's device (its

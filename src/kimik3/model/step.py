@@ -12,13 +12,13 @@ never pads the decode rows that share its step to its length, and no step's work
 
 A sequence verifying a speculative draft (`VerifyRows`) runs its row like any other, but the forward leaves its
 KDA slot as it was: which of its tokens are kept is known only after the logits, and the commit then runs the delta
-rule again over just those (`KimiDeltaAttention.commit`, from the inputs the forward saved), so the slot never
-holds a rejected token's state and no per-token state is stored.
+rule again over just those (`KimiDeltaAttention.commit`, from the inputs each KDA layer gave back), so the slot never
+holds a rejected token's state and no per-token state is stored. A `Step` is read by the layers, never written.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -40,26 +40,25 @@ class LongChunks:
 
 @dataclass
 class VerifyRows:
-    """The sequences of a step that verify a draft. The forward saves each KDA layer's delta-rule inputs and
-    pre-conv inputs of their rows (`save`), and writes no KDA state of theirs; the commit writes it."""
+    """The sequences of a step that verify a draft: the forward writes no KDA state of theirs and gives back each
+    KDA layer's delta-rule inputs and pre-conv inputs of their rows (`KDAStepIO.saved`); the commit writes it."""
 
     seqs: Tensor  # [Nv] their rows of the step's N
     rows: Tensor  # [Nv, L] the packed rows of their tokens (a shorter row padded with its last)
     tail_rows: Tensor  # [Nv, L+W-1] rows of cat(new pre-conv inputs, slot tails) at chunk offsets -(W-1)..L-1
     others: Tensor | None  # [N-Nv] the step's other sequences (their state the forward writes), None if none
-    # per KDA layer (k, v, g, beta [Nv, L, ...], q/k/v pre-conv inputs [Nv, L+W-1, P]); given buffers (a graph's
-    # static ones) are copied into, else the tensors are kept
-    saved: list[tuple[Tensor, ...]] = field(default_factory=list)
-    buffers: list[tuple[Tensor, ...]] | None = None
 
-    def save(self, *tensors: Tensor) -> None:
-        if self.buffers is None:
-            self.saved.append(tensors)
-            return
-        out = self.buffers[len(self.saved)]
-        for o, t in zip(out, tensors):
-            o.copy_(t)
-        self.saved.append(out)
+
+@dataclass
+class KDAStepIO:
+    """What one KDA layer's cached forward read beyond the state it wrote: the layer returns it, the runner
+    collects it (the step itself is never written)."""
+
+    # the states the step exports (prefix snapshots): (recurrent [E, H, K, V], conv q, k, v [E, W-1, P])
+    exports: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+    # the verifying rows' inputs for `KimiDeltaAttention.commit`: (k, v, g, beta [Nv, L, ...], q/k/v pre-conv
+    # inputs [Nv, L+W-1, P])
+    saved: tuple[Tensor, ...] | None = None
 
 
 @dataclass
@@ -82,8 +81,7 @@ class Step:
     tail_index: Tensor | None = None  # [N, W-1] rows of the same that become each slot's new tail
     checkpoints: list[list[int]] | None = None  # per sequence: chunk offsets (< its length) to export inside
     export_tail_index: Tensor | None = None  # [E, W-1] conv-tail rows of each export
-    export_pick: Tensor | None = None  # [E] rows of cat(interior checkpoints [M], final states [N])
-    kda_exports: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None  # filled per KDA layer, in order
+    export_pick: Tensor | None = None  # [E] rows of cat(interior checkpoints [M], final states [N]); None: no exports
     verify: VerifyRows | None = None
 
     @property
@@ -138,7 +136,7 @@ def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: 
         slots, cached, lens: [N] each sequence's KDA slot, tokens already cached, new tokens.
         tables: N block lists (covering cached + lens positions); padded with `pad_block` to the longest.
         exports: per sequence, offsets from its chunk start (multiples of the KDA chunk, at most its length)
-            where the KDA state is exported into `step.kda_exports`.
+            where the KDA state is exported (each KDA layer returns them: `KDAStepIO.exports`).
         verify: the sequences that verify a draft (`Step.verify`).
     """
     N, W, T = len(slots), conv_window, sum(lens)
@@ -234,4 +232,3 @@ def _add_exports(step: Step, exports: list[list[int]], lens: list[int], ext_rows
     step.export_tail_index = ext_rows(torch.tensor(e_seq)[:, None],
                                       torch.tensor(e_off)[:, None] - rows.shape[0] + rows).to(device)
     step.export_pick = torch.tensor(pick, device=device)
-    step.kda_exports = []

@@ -238,10 +238,6 @@ class VisionTower(nn.Module):
         n = None if pixel_values is None else pixel_values.shape[0]
         return parse_grids(grid_thws, n, self.config.pos_emb_time, self.config.merge_kernel_size)
 
-    def encode_patches(self, pixel_values: Tensor, grid_thws: Tensor) -> Tensor:
-        """pixel_values [N, 3, p, p], grid_thws [n_images, 3] int -> per-patch features [N, D] (before merging)."""
-        return self._encode(pixel_values, self.grids(pixel_values, grid_thws))
-
     def _encode(self, pixel_values: Tensor, grids: list[Grid]) -> Tensor:
         if not grids:
             return self.patch_embed.proj.weight.new_zeros(0, self.config.hidden_size)

@@ -20,13 +20,14 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimik3 import __version__
+from kimik3.inference.sampling import SamplingParams
 from kimik3.serve.handlers import chat_completion, completion
 from kimik3.serve.metrics import Metrics
 from kimik3.serve.protocol import APIError, parse_chat
@@ -36,6 +37,9 @@ __all__ = ["Server", "ServerConfig", "build_app"]
 
 log = logging.getLogger("kimik3.serve")
 GRAMMAR_CACHE = 64
+# a body larger than this is refused before it is read whole (16 MiB: a 1M-token prompt is ~4 MB of text)
+MAX_REQUEST_BYTES = 16 * 2**20
+MAX_JSON_DEPTH = 64  # deeper request bodies are refused (no OpenAI field nests near it; recursion is bounded)
 
 
 @dataclass
@@ -48,16 +52,19 @@ class ServerConfig:
             `model` is a name runs that adapter; /v1/models lists them after the base.
         api_key: when set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
         max_pending: admitted requests (running + waiting) at most; beyond it 503.
-        defaults: sampling defaults for unset fields (the checkpoint's generation_config.json keys).
+        defaults: sampling defaults for unset fields (`generation_defaults`: the checkpoint's generation_config.json
+            over SamplingParams'; its max_new_tokens is not used: max_tokens defaults as OpenAI's).
         disconnect_poll_s: how often a non-streaming handler checks that its client is still there.
+        max_request_bytes: the largest request body read (larger: 413, before it is parsed or tokenized).
     """
 
     model_name: str = "kimik3"
     adapters: dict[str, str] = field(default_factory=dict)
     api_key: str | None = None
     max_pending: int = 1024
-    defaults: dict[str, Any] = field(default_factory=dict)
+    defaults: SamplingParams = field(default_factory=SamplingParams)
     disconnect_poll_s: float = 0.05
+    max_request_bytes: int = MAX_REQUEST_BYTES
 
 
 class Server:
@@ -66,6 +73,7 @@ class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.runner: EngineRunner | None = None
+        self.closing = False
         self.tokenizer = None
         self.vocab_size = 0
         self.max_model_len = 0
@@ -83,9 +91,16 @@ class Server:
         self.max_model_len = engine.max_model_len
         self.runner = EngineRunner(engine, max_pending=self.config.max_pending)
 
-    def shutdown(self) -> None:
+    def begin_shutdown(self) -> None:
+        """The server is stopping (a first Ctrl-C): requests in flight are aborted (a stream ends with an error
+        event, a waiting request gets 503) and new ones refused, so the drain ends at once."""
+        self.closing = True
         if self.runner is not None:
-            self.runner.shutdown()
+            self.runner.abort_all("the server is shutting down")
+
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        """Stop the engine thread; whether it stopped within `timeout` seconds (it finishes its current step)."""
+        return self.runner is None or self.runner.shutdown(timeout)
 
     @property
     def ready(self) -> bool:
@@ -153,14 +168,67 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _body(request: Request) -> dict:
+async def _body(request: Request, limit: int) -> dict:
+    """The request's JSON object: at most `limit` bytes (413, read no further), nested at most MAX_JSON_DEPTH
+    deep (400), else 400 naming what is wrong."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(f"the request body is {int(declared)} bytes; this server reads at most {limit} "
+                       "(--max-request-bytes)", status=413)
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise APIError(f"the request body is over {limit} bytes (--max-request-bytes)", status=413)
     try:
-        body = json.loads(await request.body() or b"null")
+        body = json.loads(bytes(raw) or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # deeper than Python's own limit (~1000 levels)
+        raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    if _deeper_than(body, MAX_JSON_DEPTH):
+        raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     return body
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than `limit` deep in `value` (without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+@dataclass
+class Call:
+    """A generating or tokenizing request past the route preamble: its body and the adapter its `model` names."""
+
+    body: dict
+    adapter: str | None
+
+
+def _ready(server: Server) -> None:
+    if server.closing:
+        raise APIError("the server is shutting down", status=503, code="server_shutdown")
+    if not server.ready:
+        raise APIError("the model is loading", status=503, code="model_loading")
+
+
+async def _preamble(request: Request) -> Call:
+    """Every route that reads a body: the server ready, the body read and checked, its model checked once."""
+    server = request.app.state.server
+    _ready(server)
+    body = await _body(request, server.config.max_request_bytes)
+    return Call(body, server.check_model(body))
+
+
+Prepared = Annotated[Call, Depends(_preamble)]  # a route's parameter of this type runs the preamble first
 
 
 def build_app(server: Server) -> FastAPI:
@@ -195,8 +263,7 @@ def build_app(server: Server) -> FastAPI:
         return _error(APIError(f"internal error: {type(e).__name__}", status=500))
 
     def ready() -> None:
-        if not server.ready:
-            raise APIError("the model is loading", status=503, code="model_loading")
+        _ready(server)
 
     @app.get("/health")
     async def health():
@@ -217,24 +284,16 @@ def build_app(server: Server) -> FastAPI:
                 + [{"id": name, **card, "root": path, "parent": base} for name, path in server.config.adapters.items()]}
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        ready()
-        body = await _body(request)
-        server.check_model(body)
-        return await chat_completion(server, request, body)
+    async def chat(request: Request, call: Prepared):
+        return await chat_completion(server, request, call.body, call.adapter)
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        ready()
-        body = await _body(request)
-        server.check_model(body)
-        return await completion(server, request, body)
+    async def completions(request: Request, call: Prepared):
+        return await completion(server, request, call.body, call.adapter)
 
     @app.post("/tokenize")
-    async def tokenize(request: Request):
-        ready()
-        body = await _body(request)
-        server.check_model(body)
+    async def tokenize(call: Prepared):
+        body = call.body
         if "messages" in body:
             from kimik3.tokenizer import encode_chat
 
@@ -250,11 +309,8 @@ def build_app(server: Server) -> FastAPI:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}
 
     @app.post("/detokenize")
-    async def detokenize(request: Request):
-        ready()
-        body = await _body(request)
-        server.check_model(body)
-        tokens = body.get("tokens")
+    async def detokenize(call: Prepared):
+        tokens = call.body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                    and 0 <= t < server.tokenizer.vocab_size for t in tokens):
             raise APIError(f"tokens must be a list of ids in [0, {server.tokenizer.vocab_size})", param="tokens")

@@ -1,8 +1,9 @@
-"""Engine outputs -> OpenAI choices, one step at a time.
+"""Engine outputs -> OpenAI choices, one step at a time: where the server's text is made.
 
-A choice's state turns each engine step's new ids into a `ChoiceDelta`; a streamed response sends each delta as
-chunks, a whole response is the sum of the same deltas. So the stream concatenates to the whole response by
-construction (the fault of vllm#51412 cannot happen): there is one path from ids to text.
+A choice's state turns each engine step's new ids into a `ChoiceDelta`: it detokenizes them (the engine makes no text
+for the server's requests) and matches the stop strings. A streamed response sends each delta as chunks, a whole
+response is the sum of the same deltas. So the stream concatenates to the whole response by construction (the fault
+of vllm#51412 cannot happen): there is one path from ids to text, and each id is decoded once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ class ChoiceDelta:
     def empty(self) -> bool:
         return not (self.reasoning or self.content or self.text or self.tool_calls or self.logprobs
                     or self.finish_reason)
+
+    def extend(self, d: ChoiceDelta) -> None:
+        """Add a later delta of the same choice (a whole response is the sum of its stream's deltas)."""
+        self.reasoning += d.reasoning
+        self.content += d.content
+        self.text += d.text
+        self.tool_calls += d.tool_calls
+        self.logprobs += d.logprobs
+        self.finish_reason, self.stop_reason = d.finish_reason or self.finish_reason, d.stop_reason or self.stop_reason
 
 
 def _token_text(tok: Tokenizer, token_id: int) -> str:
@@ -67,11 +77,12 @@ class ChatChoice(_Base):
     A choice that runs out of tokens (finish_reason "length") inside a tool call reports the partial call, its
     arguments as far as they were generated (what OpenAI's stream has sent by then), never an empty message;
     `forced_tool` (the one tool a required or named tool_choice allows) names the call even when the output
-    stopped before the model had written the call's header.
+    stopped before the model had written the call's header. `written`: the opening the grammar wrote into the
+    prompt (output all the same, counted in `seen`).
     """
 
     def __init__(self, index: int, tok: Tokenizer, *, thinking: bool, tools_declared: bool, stops: list[str],
-                 id_prefix: str, logprobs: int | None, forced_tool: str | None = None):
+                 id_prefix: str, logprobs: int | None, forced_tool: str | None = None, written: list[int] = ()):
         super().__init__(index, tok, stops)
         self.id_prefix, self.forced_tool = id_prefix, forced_tool
         self.parser = ResponseParser(tok, start_in="think" if thinking else "response", id_prefix=id_prefix,
@@ -79,6 +90,7 @@ class ChatChoice(_Base):
         self.logprobs = logprobs
         self.reasoning_tokens = 0
         self.tool_calls: list[dict] = []
+        self.written = list(written)  # output the grammar wrote (a forced call's opening): before the engine's ids
 
     def advance(self, seq) -> ChoiceDelta:
         """The delta of one engine step (a SequenceOutput)."""
@@ -86,6 +98,8 @@ class ChatChoice(_Base):
         if self.finished:
             return delta
         ids, lps = self._new(seq)
+        if self.written:  # no logprobs to align: a call with logprobs has no written opening
+            ids, self.written = self.written + ids, []
         for k, t in enumerate(ids):
             in_think = self.parser.channel == "think"
             d = self.parser.feed([t])
@@ -129,13 +143,16 @@ class ChatChoice(_Base):
 
 
 class TextChoice(_Base):
-    """One /v1/completions choice: raw text, stop strings, legacy logprobs. Special ids (markers, EOS) add no text
-    unless `skip_special_tokens` is False (then they are written literally), as in vLLM."""
+    """One /v1/completions choice: raw text and legacy logprobs. Without stop strings the choice decodes its ids;
+    with them the engine matched them (so the request ends at the very token that completes one) over the text it
+    made for the request, and the choice takes that text (`SequenceOutput.text`): each id is decoded once, in one
+    place. Special ids (markers, EOS) add no text unless `skip_special_tokens` is False (then they are written
+    literally, a stop id's too), as in vLLM."""
 
-    def __init__(self, index: int, tok: Tokenizer, *, stops: list[str], logprobs: int | None,
+    def __init__(self, index: int, tok: Tokenizer, *, engine_text: bool, logprobs: int | None,
                  skip_special_tokens: bool = True):
-        super().__init__(index, tok, stops)
-        self.decoder = StreamDecoder(tok)
+        super().__init__(index, tok, [])
+        self.decoder = None if engine_text else StreamDecoder(tok)
         self.logprobs = logprobs
         self.skip_special = skip_special_tokens
 
@@ -146,16 +163,17 @@ class TextChoice(_Base):
         ids, lps = self._new(seq)
         for k, t in enumerate(ids):
             self.seen += 1
-            if not (self.skip_special and self.tok.is_special(t)):
-                delta.text += self.stop.feed(self.decoder.feed([t]))
+            if self.decoder is not None and not (self.skip_special and self.tok.is_special(t)):
+                delta.text += self.decoder.feed([t])
             if self.logprobs is not None and k < len(lps):
                 delta.logprobs.append((t, lps[k]))
-            if self.stop.hit is not None:
-                self.finish_reason, self.stop_reason = "stop", self.stop.hit
-                delta.finish_reason, delta.stop_reason = "stop", self.stop.hit
-                return delta
+        if self.decoder is None:
+            delta.text += seq.text
         if seq.finish_reason is not None:
-            delta.text += self.stop.feed(self.decoder.flush()) + self.stop.flush()
+            if self.decoder is not None:
+                delta.text += self.decoder.flush()
+            elif isinstance(seq.stop_reason, int) and not (self.skip_special and self.tok.is_special(seq.stop_reason)):
+                delta.text += self.tok.decode([seq.stop_reason])  # the engine's text never shows a stop id
             self.finish_reason, self.stop_reason = seq.finish_reason, seq.stop_reason
             delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
         return delta

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimik3.inference.sampling import SamplingParams
+
 __all__ = ["APIError", "ChatPlan", "CompletionPlan", "parse_chat", "parse_completion", "sampling_kwargs"]
 
 EFFORT_ALIASES = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "max", "max": "max"}
@@ -72,20 +74,19 @@ class Sampling:
     include_usage: bool
 
 
-def _sampling(body: dict, defaults: dict[str, Any], vocab_size: int, least: int = 1) -> Sampling:
+def _sampling(body: dict, defaults: SamplingParams, vocab_size: int, least: int = 1) -> Sampling:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < least):
         raise _bad(param, f"must be an integer >= {least}, got {max_tokens!r}")
     kw: dict[str, Any] = {
-        "temperature": _number(body, "temperature", 0, 2, default=defaults.get("temperature", 1.0)),
-        "top_p": _number(body, "top_p", 0, 1, default=defaults.get("top_p", 1.0)),
-        "min_p": _number(body, "min_p", 0, 1, default=defaults.get("min_p", 0.0)),
-        "repetition_penalty": _number(body, "repetition_penalty", 0, 10,
-                                      default=defaults.get("repetition_penalty", 1.0)),
-        "presence_penalty": _number(body, "presence_penalty", -2, 2, default=0.0),
-        "frequency_penalty": _number(body, "frequency_penalty", -2, 2, default=0.0),
+        "temperature": _number(body, "temperature", 0, 2, default=defaults.temperature),
+        "top_p": _number(body, "top_p", 0, 1, default=defaults.top_p),
+        "min_p": _number(body, "min_p", 0, 1, default=defaults.min_p),
+        "repetition_penalty": _number(body, "repetition_penalty", 0, 10, default=defaults.repetition_penalty),
+        "presence_penalty": _number(body, "presence_penalty", -2, 2, default=defaults.presence_penalty),
+        "frequency_penalty": _number(body, "frequency_penalty", -2, 2, default=defaults.frequency_penalty),
         "seed": _number(body, "seed", -(2**63), 2**63 - 1, integer=True),
         "ignore_eos": _bool(body, "ignore_eos"),
     }
@@ -93,7 +94,7 @@ def _sampling(body: dict, defaults: dict[str, Any], vocab_size: int, least: int 
         raise _bad("top_p", "must be > 0")
     if kw["repetition_penalty"] == 0:
         raise _bad("repetition_penalty", "must be > 0")
-    top_k = _number(body, "top_k", -1, vocab_size, default=defaults.get("top_k", 0), integer=True)
+    top_k = _number(body, "top_k", -1, vocab_size, default=defaults.top_k, integer=True)
     kw["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "off" as -1
     bias = body.get("logit_bias")
     if bias is not None:
@@ -126,13 +127,17 @@ def _sampling(body: dict, defaults: dict[str, Any], vocab_size: int, least: int 
 
 
 def sampling_kwargs(s: Sampling, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None,
-                    eos_id: int | None = None, engine_stops: bool = False) -> dict[str, Any]:
-    """Keywords of the engine's SamplingParams. Stop strings go to the engine where they match its raw text
-    (`engine_stops`: /v1/completions, so the request ends at the very token); chat matches them over the
-    parsed content in the server, which then ends the request (`Engine.stop`)."""
+                    eos_id: int | None = None, engine_stops: bool = False, skip_special_tokens: bool = True
+                    ) -> dict[str, Any]:
+    """Keywords of the engine's SamplingParams. The server makes the text (serve/outputs.py) and the engine none,
+    except where the engine matches the stop strings (`engine_stops`: /v1/completions, so a request ends at the
+    very token that completes one): there the engine makes the text it matches over (special ids left out when
+    `skip_special_tokens`), and the server takes it. Chat matches them over the parsed content in the server,
+    which then ends the request (`Engine.stop`)."""
+    stops = engine_stops and bool(s.stop)
     return {**s.kwargs, "max_new_tokens": max_tokens, "n": s.n, "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs, "stop_token_ids": () if eos_id is None else (eos_id,),
-            "stop": tuple(s.stop) if engine_stops else ()}
+            "stop": tuple(s.stop) if stops else (), "detokenize": stops, "skip_special_tokens": skip_special_tokens}
 
 
 @dataclass
@@ -263,7 +268,7 @@ def _messages(body: dict) -> list[dict]:
     return messages
 
 
-def parse_chat(body: dict, *, defaults: dict[str, Any], vocab_size: int) -> ChatPlan:
+def parse_chat(body: dict, *, defaults: SamplingParams, vocab_size: int) -> ChatPlan:
     """Validate a /v1/chat/completions body (everything but `model`, checked by the caller)."""
     messages = _messages(body)
     sampling = _sampling(body, defaults, vocab_size)
@@ -299,7 +304,7 @@ class CompletionPlan:
     skip_special_tokens: bool = True
 
 
-def parse_completion(body: dict, *, defaults: dict[str, Any], vocab_size: int) -> CompletionPlan:
+def parse_completion(body: dict, *, defaults: SamplingParams, vocab_size: int) -> CompletionPlan:
     """Validate a /v1/completions body: prompt is a string, a list of strings, token ids or lists of token ids."""
     prompt = body.get("prompt")
     def ids(x) -> bool:

@@ -10,10 +10,10 @@ any Python the thread runs then (or waits for: the event loop holds the GIL whil
 responses) adds to every request's latency. So a step's outputs cross to the event loop in one batch, one
 `call_soon_threadsafe` per step rather than one per request: each of those writes the loop's wake-up socket, and
 each such write releases the GIL to an event loop thread that then keeps it for up to a switch interval (5 ms).
-Everything per token (detokenizing, stop strings, JSON, SSE) happens on the event loop side, and, where the engine
-has an `on_launch` hook, while the device runs: the batch of step N is handed over once step N+1's forward is
-queued, not while the engine thread is still preparing it (the front end's work would then take the GIL from that
-preparation, with the device idle).
+Everything per token (detokenizing, stop strings, JSON, SSE) happens on the event loop side (the server's requests ask
+the engine for no text), and while the device runs: the engine calls `step`'s `on_launch` once the step's forward is
+queued, and the batch of step N is handed over then, during step N+1, not while the engine thread is still preparing
+it (the front end's work would then take the GIL from that preparation, with the device idle).
 """
 
 from __future__ import annotations
@@ -24,24 +24,53 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["ACCEPTED", "EngineRunner"]
+__all__ = ["ACCEPTED", "EngineLike", "EngineRunner", "ServerShutdown"]
 
 ACCEPTED = object()  # what a sink receives first when the engine took its request
 
 log = logging.getLogger("kimik3.serve")
 
 
+@runtime_checkable
+class EngineLike(Protocol):
+    """The server's seam: what it runs, `kimik3.inference.engine.Engine` or a stand-in without a model (the tests'
+    scripted engine, the host-overhead bench's). Requests and outputs are the engine's (`Request`,
+    `RequestOutput` deltas); everything is called from the engine thread."""
+
+    max_model_len: int
+
+    def add_request(self, request: Any) -> None: ...  # a ValueError refuses it (the client's 400)
+
+    def abort(self, request_id: str) -> None: ...  # now; its final output ("abort") comes from the next step
+
+    def stop(self, request_id: str, stop_reason: int | str | None = None) -> None: ...  # a normal end ("stop")
+
+    # one step; `on_launch()` once its device work is queued (an engine without a device may call it at once)
+    def step(self, on_launch: Callable[[], None] | None = None) -> list: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    @property
+    def stats(self) -> dict: ...  # counters for /metrics
+
+
+class ServerShutdown(Exception):
+    """What a request's sink receives when the server shuts down while it runs (its stream ends with an error)."""
+
+
 class EngineRunner:
     """Owns the engine thread.
 
     Args:
-        engine: an object with the engine contract (add_request, abort, step, has_unfinished, stats).
+        engine: what the server runs (`EngineLike`).
         max_pending: requests admitted (running + waiting) at most; `submit` refuses more (the server answers 503).
     """
 
-    def __init__(self, engine, *, max_pending: int = 1024):
+    def __init__(self, engine: EngineLike, *, max_pending: int = 1024):
         self.engine = engine
         self.max_pending = max_pending
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -53,9 +82,6 @@ class EngineRunner:
         self.steps = 0
         self._stop = threading.Event()
         self._launched = False  # engine thread only: the current step's forward is queued (its hook ran)
-        self._hooked = hasattr(engine, "on_launch")
-        if self._hooked:
-            engine.on_launch = self._on_launch
         self._thread = threading.Thread(target=self._loop, name="kimik3-engine", daemon=True)
         self._thread.start()
 
@@ -90,10 +116,19 @@ class EngineRunner:
     async def acall(self, fn: Callable[[Any], Any]) -> Any:
         return await asyncio.wrap_future(self.call(fn))
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def abort_all(self, message: str) -> None:
+        """Abort every request the engine holds: each sink receives ServerShutdown(message) (its stream ends with
+        an error event); later submissions are refused."""
+        with self._lock:
+            self.max_pending = 0
+        self._inbox.put(("abort_all", message, None))
+
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        """Stop the engine thread (after its current step); whether it stopped within `timeout` seconds."""
         self._stop.set()
         self._inbox.put(("wake", None, None))
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _done(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:
@@ -139,6 +174,11 @@ class EngineRunner:
         elif kind == "stop":
             if item in self._sinks:  # its final output comes from the next step, as any finished request's
                 self.engine.stop(item, extra)
+        elif kind == "abort_all":
+            for request_id, target in list(self._sinks.items()):
+                self.engine.abort(request_id)
+                self._send(target, ServerShutdown(item))
+                self._done(request_id)
         elif kind == "call":
             try:
                 extra.set_result(item(self.engine))
@@ -158,11 +198,9 @@ class EngineRunner:
             if self._stop.is_set() or not self.engine.has_unfinished():
                 self._flush()
                 continue
-            if not self._hooked:
-                self._flush()
             self._launched = False
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(on_launch=self._on_launch)
             except Exception as e:
                 log.exception("engine step failed; failing its requests")
                 for request_id, target in list(self._sinks.items()):
@@ -172,15 +210,15 @@ class EngineRunner:
                 self._flush()
                 continue
             self.steps += 1
-            if not self._launched:  # no hook, or the step ran no forward: what it held back goes now
-                self._flush()
             for out in outputs:
                 target = self._sinks.get(out.request_id)
                 if target is not None:
                     self._send(target, out)
                     if out.finished:
                         self._done(out.request_id)
-            if not self._hooked or not self.engine.has_unfinished():  # no next forward to hand them over during
+            # the step never called its hook (no forward, or an engine without a device), or no next forward will
+            # come to hand them over during: what is held goes now
+            if not self._launched or not self.engine.has_unfinished():
                 self._flush()
             self.stats = dict(self.engine.stats)
 

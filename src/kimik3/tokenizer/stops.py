@@ -41,16 +41,20 @@ class StopText:
 
 class StopDecoder:
     """Token ids -> visible text with stop strings: `push(ids)` returns the newly visible text (an incomplete
-    UTF-8 character waits for its last byte); `hit` is the stop string found, if any; `flush()` ends it."""
+    UTF-8 character waits for its last byte); `hit` is the stop string found, if any; `flush()` ends it.
+    `skip_special`: special ids (markers) add no text."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = (), *, skip_special: bool = False):
         self.decoder, self.text = StreamDecoder(tokenizer), StopText(stops)
+        self.skip = tokenizer.is_special if skip_special else None
 
     @property
     def hit(self) -> str | None:
         return self.text.hit
 
     def push(self, ids: Sequence[int]) -> str:
+        if self.skip is not None:
+            ids = [t for t in ids if not self.skip(t)]
         return self.text.feed(self.decoder.feed(ids))
 
     def flush(self) -> str:

@@ -1,7 +1,7 @@
 """The model a run trains: fresh from a config, from a released-layout checkpoint, or from a step folder.
 
 The trainer holds the text model (`K3ForCausalLM`) in fp32 (master weights) and the `K3Config` it writes
-next to the weights. A checkpoint is loaded with `kimik3.checkpoint.load.load(..., text_only=True)`; its config
+next to the weights. A checkpoint is loaded with `kimik3.checkpoint.load(..., text_only=True)`; its config
 must describe the same model as the run's (storage dtype and expert format may differ).
 """
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kimik3.inference.spec.drafter import DraftConfig
+from kimik3.lora.config import LoraConfig
 from kimik3.presets import PACKAGE_DIR, resolve_train_config
 
 if sys.version_info >= (3, 11):
@@ -102,28 +104,26 @@ class LogSection:
     peak_tflops: float | None = None  # per-GPU peak for MFU (default: looked up for H100/H200/A100)
 
 
-@dataclass(frozen=True)
-class LoraSection:
-    """[lora]: train a LoRA adapter on the frozen `model.checkpoint` (kimik3.lora.LoraConfig checks the values)."""
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: list[str] = field(default_factory=lambda: ["*.self_attn.*_proj", "*.block_sparse_moe.experts"])
-    experts: str = "per_expert"  # "per_expert", "shared_a", "shared_outer" or "shared"
-    rank_scaling: bool = False  # routed experts' rank = rank // top_k
+# the drafter's shape keys of a [draft] table: DraftConfig's own names and defaults (the target's sizes come from the
+# target checkpoint; DraftConfig checks the values once they are known)
+DRAFT_SHAPE_KEYS = ("num_hidden_layers", "num_attention_heads", "head_dim", "intermediate_size", "block_size",
+                    "markov_rank", "enable_confidence_head")
+_DRAFT = {f.name: f.default for f in fields(DraftConfig)}
 
 
 @dataclass(frozen=True)
 class DraftSection:
+    """[draft]: train a DSpark drafter (`DraftConfig`, whose field names the shape keys are) for a frozen target."""
+
     target: str | None = None  # required: the frozen target checkpoint folder (kimik3.load)
-    layers: list[int] = field(default_factory=list)  # required: 0-based target layers whose hidden states are tapped
-    num_layers: int = 1  # the drafter's backbone layers
-    num_heads: int = 4
-    head_dim: int = 64
-    intermediate_size: int = 512
-    block_size: int = 8  # slots per block: the anchor + block_size - 1 drafts
-    markov_rank: int = 32  # 0: no Markov head
-    confidence_head: bool = True
+    target_layer_ids: list[int] = field(default_factory=list)  # required: 0-based target layers tapped
+    num_hidden_layers: int = _DRAFT["num_hidden_layers"]
+    num_attention_heads: int = _DRAFT["num_attention_heads"]
+    head_dim: int = _DRAFT["head_dim"]
+    intermediate_size: int = _DRAFT["intermediate_size"]
+    block_size: int = _DRAFT["block_size"]  # slots per block: the anchor + block_size - 1 drafts
+    markov_rank: int = _DRAFT["markov_rank"]  # 0: no Markov head
+    enable_confidence_head: bool = _DRAFT["enable_confidence_head"]
     mask_token_id: int | None = None  # default: vocab_size - 3 (K3's reserved mask id sits there)
     anchors: int = 16  # draft blocks trained per row
     labels: str = "target"  # "target": the target's argmax at each position; "data": the data's next tokens
@@ -141,7 +141,7 @@ class TrainConfig:
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
-    lora: LoraSection | None = None  # absent: full training
+    lora: LoraConfig | None = None  # [lora]: train an adapter on the frozen base (absent: full training)
     draft: DraftSection | None = None  # present: train a speculative drafter for the frozen `target`
     source: str = field(default="<dict>", compare=False)
 
@@ -228,7 +228,10 @@ def _section(cls: type, raw: Any, name: str, where: str) -> Any:
             hint = f"; did you mean '{name}.{near[0]}'?" if near else f" (known: {', '.join(known)})"
             raise ValueError(f"{where}: unknown key '{name}.{key}'{hint}")
         values[key] = _typed(value, hints[key], f"{name}.{key}", where)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as e:  # a section that checks itself (LoraConfig): its message names the key
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _check_values(cfg: TrainConfig, where: str) -> None:
@@ -255,12 +258,6 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
     if not 0 <= cfg.optim.min_lr_ratio <= 1 or not 0 < cfg.optim.decay_fraction <= 1:
         raise ValueError(f"{where}: 'optim.min_lr_ratio' must be in [0, 1] and 'optim.decay_fraction' in (0, 1]")
     if cfg.lora is not None:
-        from kimik3.lora.config import LoraConfig
-
-        try:
-            LoraConfig(**vars(cfg.lora))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
         if cfg.model.checkpoint is None:
             raise ValueError(f"{where}: [lora] trains an adapter on a frozen base: set 'model.checkpoint' (not "
                              "'model.config')")
@@ -275,15 +272,31 @@ def _check_draft(d: DraftSection, model: ModelSection, where: str) -> None:
         raise ValueError(f"{where}: a [draft] run trains a drafter for 'draft.target'; remove the [model] table")
     if d.target is None:
         raise ValueError(f"{where}: 'draft.target' is required (the frozen target checkpoint folder)")
-    if not d.layers or any(i < 0 for i in d.layers) or len(set(d.layers)) != len(d.layers):
-        raise ValueError(f"{where}: 'draft.layers' must be distinct 0-based target layer indices, got {d.layers}")
-    for name in ("num_layers", "num_heads", "head_dim", "intermediate_size", "anchors"):
-        if getattr(d, name) < 1:
-            raise ValueError(f"{where}: 'draft.{name}' must be >= 1, got {getattr(d, name)}")
-    if d.block_size < 2:
-        raise ValueError(f"{where}: 'draft.block_size' must be >= 2 (an anchor and a draft), got {d.block_size}")
-    if d.markov_rank < 0 or d.confidence_weight < 0:
-        raise ValueError(f"{where}: 'draft.markov_rank' and 'draft.confidence_weight' must be >= 0")
+    ids = d.target_layer_ids
+    if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"{where}: 'draft.target_layer_ids' must be distinct 0-based target layer indices, got {ids}")
+    if d.anchors < 1 or d.confidence_weight < 0:
+        raise ValueError(f"{where}: 'draft.anchors' must be >= 1 and 'draft.confidence_weight' >= 0")
+    config = Path(d.target) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{where}: 'draft.target': no checkpoint folder (config.json) at '{d.target}'")
+    from kimik3.config import K3Config
+
+    try:  # the drafter's own checks, against the target's sizes
+        shape_of(d, K3Config.from_file(config).text)
+    except ValueError as e:  # DraftConfig names a field 'name'; here it is the key 'draft.name'
+        message = str(e).replace("draft config '", "'draft.")
+        raise ValueError(f"{where}: {message}") from None
+
+
+def shape_of(d: DraftSection, target) -> DraftConfig:
+    """The DraftConfig a [draft] section asks for, for a target of config `target` (its TextConfig)."""
+    V = target.vocab_size
+    return DraftConfig(target_layer_ids=tuple(d.target_layer_ids), target_hidden_size=target.hidden_size,
+                       target_num_hidden_layers=target.num_layers, vocab_size=V, hidden_size=target.hidden_size,
+                       mask_token_id=V - 3 if d.mask_token_id is None else d.mask_token_id,
+                       rms_norm_eps=target.rms_norm_eps, situ_beta=target.situ_beta,
+                       situ_linear_beta=target.situ_linear_beta, **{k: getattr(d, k) for k in DRAFT_SHAPE_KEYS})
 
 
 def from_dict(raw: dict, where: str = "<dict>") -> TrainConfig:

@@ -25,10 +25,10 @@ from torch import Tensor
 
 from kimik3.checkpoint import load
 from kimik3.distributed.env import resolve_device
-from kimik3.inference.spec.drafter import DraftConfig, DSparkDrafter
+from kimik3.inference.spec.drafter import DSparkDrafter
 from kimik3.inference.spec.dspark import save_drafter
 from kimik3.inference.spec.taps import stack_taps, tapped
-from kimik3.train.config import TrainConfig
+from kimik3.train.config import TrainConfig, shape_of
 from kimik3.train.data import RowSampler, open_stream
 from kimik3.train.metrics import MetricsLog, Progress
 from kimik3.train.optim import build_optimizer, lr_factor
@@ -39,20 +39,6 @@ class _Env:
     """What the CLI reads of a trainer's environment (a drafter run is one process)."""
 
     is_main: bool = True
-
-
-def draft_config(section, target_cfg) -> DraftConfig:
-    """The DraftConfig a `[draft]` section asks for, for a target of `target_cfg` (TextConfig)."""
-    V = target_cfg.vocab_size
-    return DraftConfig(target_layer_ids=tuple(section.layers), target_hidden_size=target_cfg.hidden_size,
-                       target_num_hidden_layers=target_cfg.num_layers, vocab_size=V,
-                       mask_token_id=V - 3 if section.mask_token_id is None else section.mask_token_id,
-                       hidden_size=target_cfg.hidden_size, num_hidden_layers=section.num_layers,
-                       num_attention_heads=section.num_heads, head_dim=section.head_dim,
-                       intermediate_size=section.intermediate_size, block_size=section.block_size,
-                       markov_rank=section.markov_rank, enable_confidence_head=section.confidence_head,
-                       rms_norm_eps=target_cfg.rms_norm_eps, situ_beta=target_cfg.situ_beta,
-                       situ_linear_beta=target_cfg.situ_linear_beta)
 
 
 def block_batch(ids_RT: Tensor, labels_RT: Tensor, anchors_Rm: Tensor, S: int, mask_id: int
@@ -82,16 +68,10 @@ class DraftTrainer:
         self.cfg, t, d = cfg, cfg.train, cfg.draft
         self.env, self.device = _Env(), resolve_device(t.device, 0)
         torch.manual_seed(t.seed)
-        target_path = Path(d.target)
-        if not (target_path / "config.json").is_file():
-            raise FileNotFoundError(f"draft.target: no checkpoint folder (config.json) at '{target_path}'")
-        self.target = load(target_path, dtype=torch.float32, device=self.device, text_only=True,
+        self.target = load(Path(d.target), dtype=torch.float32, device=self.device, text_only=True,
                            quiet=True).language_model.eval().requires_grad_(False)
         tc = self.target.config
-        bad = [i for i in d.layers if i >= tc.num_layers]
-        if bad:
-            raise ValueError(f"draft.layers {bad}: the target has {tc.num_layers} layers (0-based indices)")
-        self.drafter = DSparkDrafter(draft_config(d, tc)).to(self.device)
+        self.drafter = DSparkDrafter(shape_of(d, tc)).to(self.device)
         o = cfg.optim
         self.optim = build_optimizer(self.drafter, o.name, o.lr, o.weight_decay, tuple(o.betas), o.eps,
                                      o.muon_momentum)
@@ -114,7 +94,7 @@ class DraftTrainer:
         """The step's losses and metrics for rows ids_RT (the drafter's graph attached to 'loss')."""
         d, S = self.cfg.draft, self.cfg.draft.block_size
         R, T = ids_RT.shape
-        with torch.no_grad(), tapped(self.target, tuple(d.layers)) as found:
+        with torch.no_grad(), tapped(self.target, tuple(d.target_layer_ids)) as found:
             logits = self.target(ids_RT)
             taps = stack_taps(found)
         labels = ids_RT.clone()

@@ -104,7 +104,7 @@ class Trainer:
         """Freeze the base and put the [lora] adapter on it; print its size (before step 1)."""
         if self.env.world_size > 1:
             raise ValueError("[lora]: adapter training runs in one process for now (launch without torchrun)")
-        lora.apply(self.lm, lora.LoraConfig(**vars(self.cfg.lora)))
+        lora.apply(self.lm, self.cfg.lora)
         if self.env.is_main:
             print(lora.format_adapter_size(self.lm), flush=True)
 

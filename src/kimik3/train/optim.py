@@ -13,8 +13,8 @@ state_dict, so checkpoints move between the two both ways -- whose step is `kimi
 one pass per parameter that reads param, grad and both moments once and writes param and the moments once.
 Gradient clipping folds into that pass: `Optimizers.step(grad_scale=max(1, norm / max_norm))` divides each
 gradient by the scale inside the update, read on the device. (torch's fused AdamW takes the same `grad_scale`
-but writes every unscaled gradient back; on the 4-layer real-dims slice, H200, its update took 95.7 ms and
-the foreach default 235 ms.) Sharded (DTensor) parameters keep torch's foreach AdamW.
+but writes every unscaled gradient back; docs/training.md has the two measured against each other.) Sharded
+(DTensor) parameters keep torch's foreach AdamW.
 
 Schedule (step = 1-based optimizer step, S = train.steps, W = warmup_steps, m = min_lr_ratio):
     warmup:  lr * step / W                                         for step <= W

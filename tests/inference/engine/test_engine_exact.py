@@ -1,4 +1,4 @@
-"""Engine == static generate() (greedy tokens) and == a full forward (logprobs, 1e-5 relative)."""
+"""Engine == full forwards without a cache: greedy tokens (`reference_tokens`) and logprobs (1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_prompt_logprobs_equal_full_forward(model):
     assert out.cached_tokens == 0
 
 
-def test_demo_model_greedy_equals_generate():
+def test_demo_model_greedy_equals_full_forwards():
     from kimik3.checkpoint.loader import load
     from kimik3.presets import DEMO_MODEL
 
@@ -104,14 +104,16 @@ def test_demo_model_greedy_equals_generate():
     prompts = random_prompts(model.config.text.vocab_size, (20, 70, 3), generator_seed=5)
     params = greedy(6)
     outs = make_engine(model, eos_token_ids=eos).generate(prompts, params)
-    ref = [c.token_ids for c in generate(model, prompts, params, eos_token_ids=eos)]
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens(model, prompts, params, eos)
+    # generate() is the engine too: the same tokens
+    assert [c.token_ids for c in generate(model, prompts, params, eos_token_ids=eos)] == \
+        [o.outputs[0].token_ids for o in outs]
 
 
 def test_static_decode_steps_equal_generate(model):
     """The CUDA-graph step's form, run eagerly: padded to a bucket on the scratch slot and block, keys over a span
     bucket of the block table. Mixed with chunked prefills and admissions it still gives generate()'s tokens."""
-    from kimik3.inference.engine.runner import _StepGraph
+    from kimik3.inference.engine.graphs import StepGraph
 
     V = model.config.vocab_size
     prompts = random_prompts(V, (3, 40, 70, 17, 130), generator_seed=6)
@@ -119,12 +121,12 @@ def test_static_decode_steps_equal_generate(model):
     engine = make_engine(model, max_num_seqs=5, use_cuda_graphs=True)
     assert engine.runner.sizes == [1, 2, 4, 5]
     used = []
-    real = _StepGraph.__call__
-    _StepGraph.__call__ = lambda self, chunks: (used.append((self.rows, len(chunks))), real(self, chunks))[1]
+    real = StepGraph.__call__
+    StepGraph.__call__ = lambda self, chunks: (used.append((self.rows, len(chunks))), real(self, chunks))[1]
     try:
         outs = engine.generate(prompts, params)
     finally:
-        _StepGraph.__call__ = real
+        StepGraph.__call__ = real
     assert [o.outputs[0].token_ids for o in outs] == reference_tokens(model, prompts, params)
     assert any(rows > n for rows, n in used) and len(used) >= 5  # static steps ran, some with padding rows
     for prompt, out in zip(prompts, outs):

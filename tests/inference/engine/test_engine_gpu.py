@@ -1,5 +1,5 @@
 """The engine on the GPU (fla varlen KDA from per-slot states, MLA over paged latents, CUDA-graphed decode):
-== static generate() and == the same engine on the CPU reference, prefix hits included."""
+== full forwards without a cache and == the same engine on the CPU reference, prefix hits included."""
 
 import json
 
@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from kimik3.config import K3Config
-from kimik3.inference import SamplingParams, generate
-from kimik3.inference.engine import Engine, Request
+from kimik3.inference import SamplingParams
+from kimik3.inference.engine import Engine, EngineConfig, Request
 from kimik3.inference.engine.request import accumulate
+from kimik3.inference.spec.offline import greedy_reference
 from kimik3.model import K3ForCausalLM
 from tests.helpers import CONFIGS, randomize, rel_err, requires_cuda
 
@@ -44,7 +45,8 @@ def prompts(lengths, seed=0):
 def engine(model, **kw):
     args = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, block_size=16, snapshot_interval=64,
                 poison=True)
-    return Engine(model, **{**args, **kw})
+    own = {k: kw.pop(k) for k in ("eos_token_ids", "tokenizer", "sync_tokens", "adapters") if k in kw}
+    return Engine(model, EngineConfig(**{**args, **kw}), **own)
 
 
 @torch.no_grad()
@@ -66,13 +68,22 @@ def test_gpu_engine_logprobs_match_cpu_engine(models):
 
 
 @torch.no_grad()
-def test_gpu_engine_equals_generate(models):
+def test_gpu_engine_equals_full_forwards(models):
+    """fp32 on fla's kernels against full forwards without a cache (an oracle independent of the engine, which
+    `generate()` is): the two batch differently (GEMM blocking), so a near tie may part a sequence (exact once the
+    kernels are batch-invariant, issue 39); up to where they part, logprobs agree."""
     _, gpu, _ = models
     ps = prompts((12, 40, 90, 7), seed=1)
-    params = SamplingParams(temperature=0, max_new_tokens=10)
-    want = [c.token_ids for c in generate(gpu, ps, params)]
-    got = [o.outputs[0].token_ids for o in engine(gpu).generate(ps, params)]
-    assert sum(a == b for a, b in zip(want, got)) >= 3
+    params = SamplingParams(temperature=0, max_new_tokens=10, logprobs=0)
+    want = [greedy_reference(gpu, p, 10) for p in ps]
+    got = engine(gpu).generate(ps, params)
+    assert sum(w == g.outputs[0].token_ids for w, g in zip(want, got)) >= 3
+    for p, w, g in zip(ps, want, got):
+        ids = g.outputs[0].token_ids
+        n = next((i for i, (a, b) in enumerate(zip(w, ids)) if a != b), 10)
+        full = gpu(torch.tensor([p + ids[:-1]], device="cuda"))[0, len(p) - 1:].float().log_softmax(-1).cpu()
+        ref = full.gather(1, torch.tensor(ids)[:, None])[:, 0][:n + 1]
+        assert rel_err(torch.tensor([lp.logprob for lp in g.outputs[0].logprobs[:n + 1]]), ref) < 1e-3
 
 
 @torch.no_grad()

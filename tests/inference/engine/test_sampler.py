@@ -126,7 +126,7 @@ class _Seq:
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_penalties_equal_a_recount():
+def test_penalties_equal_a_recount_gpu():
     """The counts kept on the GPU, three steps on: the penalized logits equal the CPU recount bit for bit."""
     V, gen = 1000, torch.Generator().manual_seed(1)
     seqs = [_Seq(greedy(8, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3),

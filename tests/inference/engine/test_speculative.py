@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from kimik3.inference.engine import Engine, Request, SpeculativeConfig
+from kimik3.inference.engine import Engine, EngineConfig, Request, SpeculativeConfig
 from kimik3.inference.engine import speculative as spec_module
 from kimik3.inference.engine.request import accumulate
 from kimik3.inference.sampling import SamplingParams
@@ -297,8 +297,8 @@ def small_vocab(tiny_config):
 
 
 def _second_token_counts(lm, prompt, proposer) -> torch.Tensor:
-    engine = Engine(lm, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=64, block_size=16,
-                    enable_prefix_cache=False, **({} if proposer is None else spec(proposer, 2)))
+    engine = Engine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=64, block_size=16,
+                                     enable_prefix_cache=False, **({} if proposer is None else spec(proposer, 2))))
     params = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=i) for i in range(SAMPLES)]
     outs = engine.generate([prompt] * SAMPLES, params)
     if proposer is not None:
@@ -332,8 +332,10 @@ def test_sampled_distribution_is_the_targets(small_vocab, monkeypatch):
 def test_bad_speculative_settings_are_value_errors(model):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig("suffix", num_speculative_tokens=0)
-    with pytest.raises(ValueError, match="needs a drafter folder"):
+    with pytest.raises(ValueError, match="model is required with method 'draft'"):
         SpeculativeConfig("draft")
+    with pytest.raises(FileNotFoundError, match="model /nonexistent: no such folder"):
+        SpeculativeConfig("draft", "/nonexistent")
     with pytest.raises(ValueError, match="'suffix' or 'draft'"):
         SpeculativeConfig("ngram")
     from kimik3.presets import DEMO_DRAFTER

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kimik3
-from kimik3.inference.engine import Engine, SpeculativeConfig
+from kimik3.inference.engine import Engine, EngineConfig, SpeculativeConfig
 from kimik3.inference.sampling import SamplingParams
 from kimik3.presets import DEMO_DRAFTER, DEMO_MODEL
 from kimik3.tokenizer import Tokenizer
@@ -25,7 +25,7 @@ def demo():
 
 
 def _engine(lm, **kw):
-    return Engine(lm, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256, poison=True, **kw)
+    return Engine(lm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256, poison=True, **kw))
 
 
 def _ids(outs):

@@ -15,9 +15,9 @@ RUN = """
 out_dir = "{out}"
 [draft]
 target = "{target}"
-layers = [1, 7]
-num_layers = 1
-num_heads = 2
+target_layer_ids = [1, 7]
+num_hidden_layers = 1
+num_attention_heads = 2
 head_dim = 16
 intermediate_size = 96
 block_size = 4
@@ -69,9 +69,13 @@ def test_draft_config_errors(tmp_path, extra, message):
     path = _write(tmp_path, extra)
     if message is None:
         cfg = load_train_config(path)
-        assert cfg.draft.layers == [1, 7] and cfg.to_dict()["draft"]["block_size"] == 4
+        assert cfg.draft.target_layer_ids == [1, 7] and cfg.to_dict()["draft"]["block_size"] == 4
         with pytest.raises(ValueError, match="draft.layerz"):
             load_train_config(path, ["draft.layerz=[1]"])
+        with pytest.raises(ValueError, match=r"'draft.target_layer_ids' must be distinct layer indices in \[0, 8\)"):
+            load_train_config(path, ["draft.target_layer_ids=[1, 8]"])  # the demo target has 8 layers
+        with pytest.raises(ValueError, match="'draft.head_dim' must be a positive even number"):
+            load_train_config(path, ["draft.head_dim=15"])
         with pytest.raises(ValueError, match="'draft.labels'"):
             load_train_config(path, ["draft.labels='argmax'"])
         with pytest.raises(ValueError, match="'draft.block_size'"):

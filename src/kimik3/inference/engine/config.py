@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from kimik3.ops.kda.reference import CHUNK_SIZE
 
@@ -12,7 +13,8 @@ GRID = CHUNK_SIZE  # snapshots and prefill chunks sit on the KDA chunk grid: a r
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (docs/speculative.md): each running sequence's proposer offers up to
-    `num_speculative_tokens` tokens per step, and one forward verifies them.
+    `num_speculative_tokens` tokens per step, and one forward verifies them. The one place its rules live: every
+    message starts with the field it is about (the CLI names the flag instead).
 
     Attributes:
         method: "suffix" (suffix decoding, model-free), "draft" (the DSpark-style drafter at `model`), or a
@@ -29,15 +31,18 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
-        if isinstance(self.method, str):
-            if self.method not in ("suffix", "draft"):
-                raise ValueError(f"speculative method must be 'suffix' or 'draft', got {self.method!r}")
-            if self.method == "draft" and not self.model:
-                raise ValueError("speculative method 'draft' needs a drafter folder (speculative model)")
-            if self.method == "suffix" and self.model:
-                raise ValueError(f"speculative method 'suffix' takes no model, got {self.model!r}")
-        elif not all(hasattr(self.method, a) for a in ("needs_taps", "propose", "observe", "finish")):
-            raise ValueError(f"speculative method must be 'suffix', 'draft' or a Proposer, got {self.method!r}")
+        if not isinstance(self.method, str):
+            if not all(hasattr(self.method, a) for a in ("needs_taps", "propose", "observe", "finish")):
+                raise ValueError(f"method must be 'suffix', 'draft' or a Proposer, got {self.method!r}")
+            return
+        if self.method not in ("suffix", "draft"):
+            raise ValueError(f"method must be 'suffix' or 'draft', got {self.method!r}")
+        if self.method == "draft" and not self.model:
+            raise ValueError("model is required with method 'draft' (the drafter's folder)")
+        if self.method == "suffix" and self.model:
+            raise ValueError(f"model is for method 'draft' (suffix decoding has none), got {self.model!r}")
+        if self.model is not None and not Path(self.model).is_dir():
+            raise FileNotFoundError(f"model {self.model}: no such folder (the drafter's config.json and weights)")
 
 
 @dataclass(frozen=True)

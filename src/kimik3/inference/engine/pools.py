@@ -7,7 +7,28 @@ read of it that is not overwritten first turns a test's logits into NaN instead 
 
 from __future__ import annotations
 
-from kimik3.model.state import SlotState, StatePool
+import torch
+from torch import nn
+
+from kimik3.inference.engine.config import EngineConfig
+from kimik3.model.state import SlotState, StatePool, state_specs
+
+
+def state_pool(lm: nn.Module, cfg: EngineConfig, max_model_len: int) -> StatePool:
+    """The engine's pool for `lm`'s declared state: a KDA slot per running sequence, and MLA blocks for every one
+    at max_model_len (unless `cfg.num_blocks`; on CUDA at most half the free memory, and at least one sequence's
+    worth)."""
+    w, Bs = lm.lm_head.weight, cfg.block_size
+    max_blocks = -(-max_model_len // Bs)
+    specs = state_specs(lm)
+    num_blocks = cfg.num_blocks
+    if num_blocks is None:
+        num_blocks = cfg.max_num_seqs * max_blocks
+        if w.is_cuda:  # a long max_model_len would ask for far more than the card has: half its free memory
+            per_block = StatePool(specs, 1, 1, Bs, w.dtype, "meta").block_bytes
+            free = torch.cuda.mem_get_info(w.device)[0]
+            num_blocks = max(max_blocks, min(num_blocks, int(free // 2 // max(per_block, 1))))
+    return StatePool(specs, cfg.max_num_seqs, num_blocks, Bs, w.dtype, w.device)
 
 
 class SlotPool:

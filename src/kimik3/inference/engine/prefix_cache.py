@@ -90,8 +90,13 @@ class Entry:
 
 
 class PrefixCache:
-    def __init__(self, blocks: BlockPool, budget_bytes: int, block_bytes: int, poison: bool = False):
-        self.blocks, self.budget, self.block_bytes, self.poison = blocks, budget_bytes, block_bytes, poison
+    """Snapshots over `blocks`' pool within `budget_bytes` (None: 16 KDA snapshots plus a quarter of the MLA blocks)."""
+
+    def __init__(self, blocks: BlockPool, budget_bytes: int | None = None, poison: bool = False):
+        pool = blocks.pool
+        if budget_bytes is None:
+            budget_bytes = 16 * pool.slot_bytes + pool.num_blocks * pool.block_bytes // 4
+        self.blocks, self.budget, self.block_bytes, self.poison = blocks, budget_bytes, pool.block_bytes, poison
         self.entries: dict[bytes, Entry] = {}
         self.ends: dict[bytes, list[bytes]] = {}  # grid key -> keys of end entries a little past it
         self.block_holds: dict[int, int] = {}  # block -> entries holding it
@@ -180,6 +185,27 @@ class PrefixCache:
         self.snapshot_bytes += nbytes
         self.evict(0, keep=e)
         return True
+
+    def insert_exports(self, chunks: list, exports: list[tuple[torch.Tensor, ...]],
+                       prompt_rows: dict[int, torch.Tensor]) -> None:
+        """Insert the states a step's forward exported (scheduler `Chunk`s, each with its snapshot offsets; per KDA
+        layer (recurrent [E, H, K, V], conv q, k, v [E, W-1, P]), one entry per (chunk, offset) in that order),
+        each with the prompt logprobs up to it (`prompt_rows`: by sequence id, the chunk's prompt log-softmax rows).
+        Called before the step advances the sequences' num_computed."""
+        recurrent = torch.stack([layer[0] for layer in exports])  # [Lk, E, H, K, V]
+        conv = torch.stack([torch.stack(layer[1:]) for layer in exports])  # [Lk, 3, E, W-1, P]
+        e = 0
+        for c in chunks:
+            seq = c.seq
+            lp = prompt_rows.get(id(seq))
+            for off in c.exports:
+                p = seq.num_computed + off
+                state = SlotState(recurrent[:, e].clone(), conv[:, :, e].clone())
+                e += 1
+                blocks = seq.blocks[: p // self.blocks.size]
+                row = p - 1 - seq.num_computed
+                kept = prompt_logprobs_at(seq.group, p, lp[row] if lp is not None and row < lp.shape[0] else None)
+                self.insert(seq.group.root_key, seq.tokens[:p], state, blocks, self.blocks.finite(blocks, p), kept)
 
     def evict(self, need_bytes: int = 0, keep: Entry | None = None, need_free_blocks: int = 0) -> bool:
         """Evict LRU leaf entries until the cache fits its budget less `need_bytes` and the block pool has

@@ -175,6 +175,16 @@ class Sequence:
     def params(self) -> SamplingParams:
         return self.group.request.params
 
+    def media(self, n: int) -> tuple[list[int], torch.Tensor] | None:
+        """The image tokens the next n positions embed: (their rows from num_computed, their [m, D] embeddings),
+        or None."""
+        group = self.group
+        lo, hi = self.num_computed, self.num_computed + n
+        picks = [(p - lo, j) for j, p in enumerate(group.media) if lo <= p < hi]
+        if not picks:
+            return None
+        return [r for r, _ in picks], group.request.mm_embeds[[j for _, j in picks]]
+
 
 @dataclass(eq=False)
 class RequestState:
@@ -196,3 +206,41 @@ class RequestState:
     def finished(self) -> bool:
         return len(self.seqs) == (self.request.params.n if self.forked else 1) and all(
             s.status is Status.FINISHED for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        """Each choice's new tokens since the last output (a delta), and whether the request has ended."""
+        outs = []
+        for seq in self.seqs:
+            ids, lps, text = seq.take_output()
+            outs.append(SequenceOutput(seq.index, ids, lps, text, seq.finish_reason, seq.stop_reason))
+        # an aborted n > 1 request may end before its fork: with the one sequence it has
+        finished = self.finished or any(s.finish_reason == "abort" for s in self.seqs)
+        if finished:
+            self.finished_at = time.monotonic()
+        metrics = dict(arrival=self.arrival, first_token=self.first_token, finished=self.finished_at,
+                       queue_time=(self.first_scheduled or self.arrival) - self.arrival)
+        # the request's own prompt list, not a copy per step (the engine never modifies it)
+        return RequestOutput(self.request.request_id, self.request.prompt_ids, outs, finished, self.cached_tokens,
+                             self.prompt_logprobs, metrics)
+
+
+def check_request(request: Request, vocab_size: int, max_model_len: int, pool_tokens: int, max_num_seqs: int
+                  ) -> list[int]:
+    """The request's prompt ids, or a ValueError naming the request and what it asks for that the engine cannot
+    give: an empty prompt or ids outside the vocabulary, a prompt that fills max_model_len, more tokens than the
+    MLA pool holds (`pool_tokens`), more choices than sequences run at once."""
+    p, ids, rid = request.params, list(request.prompt_ids), request.request_id
+    if not ids:
+        raise ValueError(f"request {rid!r}: the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"request {rid!r}: prompt ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"request {rid!r}: a prompt of {len(ids)} tokens leaves no room for output within "
+                         f"max_model_len {max_model_len}")
+    if min(len(ids) + p.max_new_tokens, max_model_len) > pool_tokens:
+        raise ValueError(f"request {rid!r}: {len(ids)} prompt + {p.max_new_tokens} new tokens can never fit the MLA "
+                         f"pool of {pool_tokens} tokens (num_blocks)")
+    if p.n > max_num_seqs:
+        raise ValueError(f"request {rid!r}: n = {p.n} exceeds max_num_seqs {max_num_seqs}")
+    return ids

@@ -1,28 +1,30 @@
 """The forward of one engine step: pack the scheduled chunks in one row, build the `Step`, run the model, return
-the logits of the rows that sample and the KDA states the step exported. Decode-only steps replay a CUDA graph
-captured per (batch bucket, span bucket): static shapes, padding rows on the pool's scratch slot and block, and
-block tables read from a persistent device table indexed by slot (updated by the blocks each step adds, never
-rebuilt). The span bucket is the power of two of blocks that covers the step's longest sequence, so a step
-attends over at most twice the cached keys whatever `max_model_len` is; a bucket's graph is captured the first
-time a step needs it.
+the logits of the rows that sample, the KDA states the step exported and, for rows that verified drafts, what the
+commit needs. Decode-only steps (and, with speculative decoding, steps of short rows that verify drafts) replay a
+CUDA graph (graphs.py). After verification `commit` writes each verifying sequence's KDA slot for the tokens it keeps
+(`KimiDeltaAttention.commit`); its MLA latents past them are simply not counted.
 
-With speculative decoding a step whose rows are all short and some verify a draft replays a verification graph:
-every row padded to 1 + k tokens (the padding is never kept), KDA's recurrent kernel over them, and each KDA
-layer's inputs saved into buffers the graphs share. After verification `commit` writes each verifying sequence's
-KDA slot for the tokens it keeps (`KimiDeltaAttention.commit`); its MLA latents past them are simply not counted.
-
-Legend: N sequences in the step, T packed tokens, M logit rows, MB blocks per table, S slots, V vocabulary.
+Legend: N sequences in the step, T packed tokens, M logit rows, V vocabulary.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from kimik3.inference.engine.graphs import (
+    GRAPH_BUCKETS,
+    VERIFY_GRAPH_ROWS,
+    BlockTable,
+    CommitGraph,
+    StepGraph,
+    VerifyBuffers,
+    commit_kda,
+    span_bucket,
+)
 from kimik3.inference.engine.request import Sequence
 from kimik3.inference.engine.sampler import to_device
 from kimik3.inference.engine.scheduler import Chunk
@@ -30,23 +32,18 @@ from kimik3.inference.spec.taps import stack_taps, tapped
 from kimik3.lora.serving import ServedAdapters
 from kimik3.model.moe import warm_experts
 from kimik3.model.state import KDAView, StatePool
-from kimik3.model.step import VerifyRows, build_step, uniform_step
-
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MIN_SPAN_BLOCKS = 16  # the smallest key span a graph is captured for (1,024 tokens in blocks of 64)
-# the most rows a verification graph has: its saved KDA inputs take ~1.4 MB per row and KDA layer at K3's widths
-# (1 + k = 8 tokens), so larger verifying batches run eagerly (where speculation gains least)
-VERIFY_GRAPH_ROWS = 16
+from kimik3.model.step import build_step
 
 
 @dataclass
 class StepOutput:
-    """A step's results: the logits [M, V] fp32 at the asked rows, the KDA states it exported (prefix snapshots),
-    what `ModelRunner.commit` needs when rows verified drafts, and the tapped layers' hidden states [T, n*D] of
-    its packed tokens when the runner taps any (a drafter's input)."""
+    """A step's results: the logits [M, V] fp32 at the asked rows, the KDA states it exported (prefix snapshots: per
+    KDA layer (recurrent [E, H, K, V], conv q, k, v [E, W-1, P])), what `ModelRunner.commit` needs when rows
+    verified drafts, and the tapped layers' hidden states [T, n*D] of its packed tokens when the runner taps any
+    (a drafter's input)."""
 
     logits: Tensor
-    exports: list | None = None
+    exports: list[tuple[Tensor, ...]] | None = None
     verification: Verification | None = None
     taps: Tensor | None = None
 
@@ -54,39 +51,14 @@ class StepOutput:
 @dataclass
 class Verification:
     """What a step with drafts leaves for `ModelRunner.commit`: its verifying sequences in row order, the tokens
-    each brought, the step's saved KDA inputs, and their slots ([Nv], a graph's padding rows on the scratch)."""
+    each brought, each KDA layer's saved inputs of their rows, and their slots ([Nv], a graph's padding rows on the
+    scratch); `graphed`: the saved inputs are the verification graphs' shared buffers."""
 
     seqs: list[Sequence]
     lens: list[int]
-    rows: VerifyRows
+    saved: list[tuple[Tensor, ...]]
     slots: Tensor
-
-
-class BlockTable:
-    """Each slot's block list on the device ([S+1, MB], the scratch slot's row all scratch block), kept in step
-    with the sequences' host lists by writing only the entries that changed."""
-
-    def __init__(self, pool: StatePool, max_blocks: int):
-        self.pad = pool.scratch_block
-        self.table = torch.full((pool.num_slots + 1, max_blocks), self.pad, dtype=torch.long, device=pool.device)
-        self.rows: list[list[int]] = [[] for _ in range(pool.num_slots + 1)]
-
-    def sync(self, chunks: list[Chunk]) -> None:
-        idx, val = [], []
-        for c in chunks:
-            slot, blocks = c.seq.slot, c.seq.blocks
-            have = self.rows[slot]
-            start = len(have) if blocks[: len(have)] == have else 0
-            if start == 0 and have:  # a new holder of the slot: clear what the last one left past its blocks
-                idx.extend(slot * self.table.shape[1] + j for j in range(len(blocks), len(have)))
-                val.extend([self.pad] * (len(have) - len(blocks)))
-            idx.extend(slot * self.table.shape[1] + j for j in range(start, len(blocks)))
-            val.extend(blocks[start:])
-            self.rows[slot] = list(blocks)
-        if idx:
-            host = torch.tensor([idx, val], dtype=torch.long)
-            dev = host.pin_memory().to(self.table.device, non_blocking=True) if self.table.is_cuda else host
-            self.table.view(-1).index_copy_(0, dev[0], dev[1])
+    graphed: bool = False
 
 
 class ModelRunner:
@@ -94,12 +66,15 @@ class ModelRunner:
     verification graphs; 1 captures decode graphs only. `taps`: decoder layers whose residual stream each step
     returns (`kimik3.inference.spec.taps`; a graph returns the hidden states its capture recorded)."""
 
-    def __init__(self, model: nn.Module, pool: StatePool, max_blocks: int, use_cuda_graphs: bool,
+    def __init__(self, model: nn.Module, pool: StatePool, max_blocks: int, use_cuda_graphs: bool | None,
                  max_num_seqs: int, adapters: ServedAdapters | None = None, verify_len: int = 1,
                  taps: tuple[int, ...] = ()):
         self.model, self.pool, self.max_blocks, self.adapters = model, pool, max_blocks, adapters
         self.taps = taps
         self.device = next(model.parameters()).device
+        if use_cuda_graphs is None:  # on CUDA in 16-bit: fp32 routed experts run the reference loop, which reads
+            # expert counts on the host and so cannot be captured; nor can adapters' per-row updates
+            use_cuda_graphs = self.device.type == "cuda" and pool.dtype != torch.float32 and adapters is None
         self.table = BlockTable(pool, max_blocks)
         self.sizes = sorted({n for n in GRAPH_BUCKETS if n < max_num_seqs} | {max_num_seqs})
         self.verify_len = verify_len
@@ -107,93 +82,91 @@ class ModelRunner:
                                                                                             self.sizes[-1])})
         self.kda = [(layer.self_attn, view) for layer, view in zip(model.model.layers, pool.layers)
                     if isinstance(view, KDAView)]
-        self._verify_buffers: list[tuple[Tensor, ...]] | None = None
-        self.graphs: dict[tuple[int, int, int], _StepGraph] = {}  # (rows, span, row_len)
-        self.commit_graphs: dict[int, _CommitGraph] = {}  # rows
+        self.buffers = VerifyBuffers(pool, len(self.kda), self.verify_sizes[-1], verify_len)
+        self.graphs: dict[tuple[int, int, int], StepGraph] = {}  # (rows, span, row_len)
+        self.commit_graphs: dict[int, CommitGraph] = {}  # rows
         # on CUDA one memory pool for all the graphs; on the CPU the same static steps run eagerly (their form)
         self.static = use_cuda_graphs
         self.handle = torch.cuda.graph_pool_handle() if use_cuda_graphs and self.device.type == "cuda" else None
         if self.handle is not None:
             for n in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
-                self.graph(n, self.span_bucket(1), 1)
+                self.graph(n, span_bucket(1, max_blocks), 1)
             if verify_len > 1:
                 for n in reversed(self.verify_sizes):
-                    self.graph(n, self.span_bucket(1), verify_len)
+                    self.graph(n, span_bucket(1, max_blocks), verify_len)
                     self._commit_graph(n)
 
-    def span_bucket(self, blocks: int) -> int:
-        """Blocks of key span a graph attends over for a longest sequence of `blocks` blocks."""
-        span = MIN_SPAN_BLOCKS
-        while span < blocks:
-            span *= 2
-        return min(span, self.max_blocks)
-
-    def graph(self, rows: int, span: int, row_len: int) -> _StepGraph:
+    def graph(self, rows: int, span: int, row_len: int) -> StepGraph:
         g = self.graphs.get((rows, span, row_len))
         if g is None:
-            g = self.graphs[rows, span, row_len] = _StepGraph(self, rows, span, row_len, self.handle)
+            buffers = self.buffers(rows) if row_len > 1 else None
+            g = self.graphs[rows, span, row_len] = StepGraph(self.model, self.pool, self.table, self.taps, rows,
+                                                             span, row_len, self.handle, buffers)
         return g
-
-    def verify_buffers(self, rows: int) -> list[tuple[Tensor, ...]]:
-        """Per KDA layer, the first `rows` rows of the buffers the verification graphs save their inputs into."""
-        if self._verify_buffers is None:
-            R, L, p = self.verify_sizes[-1], self.verify_len, self.pool
-            _, _, H, K, _ = p.recurrent.shape
-            W1, P = p.conv.shape[-2:]
-            new = lambda *shape, dtype=p.dtype: torch.zeros(*shape, dtype=dtype, device=p.device)  # noqa: E731
-            self._verify_buffers = [(new(R, L, H, K), new(R, L, H, K), new(R, L, H, K),
-                                     new(R, L, H, dtype=torch.float32), *(new(R, L + W1, P) for _ in range(3)))
-                                    for _ in self.kda]
-        return [tuple(t[:rows] for t in layer) for layer in self._verify_buffers]
 
     def run(self, chunks: list[Chunk], logit_rows: list[int], media: list | None = None) -> StepOutput:
         """Run the chunks; the logits are those of packed rows `logit_rows`. `media[i]`: None, or (rows of chunk
         i, their [n, D] embeddings) spliced over the token embeddings."""
+        if self._graphable(chunks, media):
+            return self._replay(chunks, logit_rows)
         lens = [c.num_tokens for c in chunks]
-        exports = [c.exports for c in chunks] if any(c.exports for c in chunks) else None
-        images = media is not None and any(m is not None for m in media)
         verify = [i for i, c in enumerate(chunks) if c.seq.draft is not None]
-        L = self.verify_len if verify else 1
-        sizes = self.verify_sizes if verify else self.sizes
-        Bs = self.pool.block_size
-        if (max(lens) <= L and self.static and len(chunks) <= sizes[-1] and exports is None and not images
-                and max(c.seq.num_computed for c in chunks) + L <= self.max_blocks * Bs):
-            self.table.sync(chunks)
-            rows = next(b for b in sizes if b >= len(chunks))
-            span = self.span_bucket(max(max(len(c.seq.blocks), -(-(c.seq.num_computed + L) // Bs))
-                                        for c in chunks))
-            g = self.graph(rows, span, L)
-            logits = g(chunks)
-            # packed row r of chunk i is row i * L + (r - its start) of the graph's padded rows
-            padded = [i * L + j for i, n in enumerate(lens) for j in range(n)]
-            taps = take_rows(stack_taps(g.found)[0], padded) if self.taps else None
-            if L == 1:
-                return StepOutput(take_rows(logits, logit_rows), taps=taps)
-            return StepOutput(take_rows(logits, [padded[r] for r in logit_rows]), None,
-                              Verification([c.seq for c in chunks], lens, g.step.verify, g.slots), taps)
-        ids = torch.tensor([t for c in chunks for t in c.seq.row_tokens(c.num_tokens)])
         step = build_step(slots=[c.seq.slot for c in chunks], cached=[c.seq.num_computed for c in chunks],
-                          lens=lens, tables=[c.seq.blocks for c in chunks], block_size=Bs,
+                          lens=lens, tables=[c.seq.blocks for c in chunks], block_size=self.pool.block_size,
                           conv_window=self.pool.conv_window, pad_block=self.pool.scratch_block, device=self.device,
-                          exports=exports, verify=verify)
-        ids = ids[None].to(self.device)
-        embeds = None
-        if images:
-            embeds = self.model.model.embed_tokens(ids)
-            start = 0
-            for c, m in zip(chunks, media):
-                if m is not None:
-                    embeds[0, [start + r for r in m[0]]] = m[1].to(embeds.dtype)
-                start += c.num_tokens
+                          exports=[c.exports for c in chunks] if any(c.exports for c in chunks) else None,
+                          verify=verify)
+        ids = torch.tensor([t for c in chunks for t in c.seq.row_tokens(c.num_tokens)])[None].to(self.device)
+        embeds = self._embeds(ids, chunks, media)
         with self._adapter_rows(chunks), tapped(self.model, self.taps) as found:
-            logits = self.model(ids, state=self.pool, step=step, inputs_embeds=embeds,
-                                logits_at=torch.tensor(logit_rows, dtype=torch.long, device=self.device))[0]
+            logits, ios = self.model.run_step(ids, self.pool, step, inputs_embeds=embeds,
+                                              logits_at=torch.tensor(logit_rows, dtype=torch.long, device=self.device))
         verification = None
         if verify:
-            verification = Verification([chunks[i].seq for i in verify], [lens[i] for i in verify], step.verify,
-                                        step.slots[step.verify.seqs])
-        return StepOutput(logits.float(), step.kda_exports, verification,
-                          stack_taps(found)[0] if self.taps else None)
+            verification = Verification([chunks[i].seq for i in verify], [lens[i] for i in verify],
+                                        [io.saved for io in ios], step.slots[step.verify.seqs])
+        exports = [io.exports for io in ios] if step.export_pick is not None else None
+        return StepOutput(logits[0].float(), exports, verification, stack_taps(found)[0] if self.taps else None)
+
+    def _graphable(self, chunks: list[Chunk], media: list | None) -> bool:
+        """Whether a graph runs these chunks: every row short, none exporting a snapshot or embedding an image, no
+        more rows than a graph has, every sequence inside the block table."""
+        L = self.verify_len if any(c.seq.draft is not None for c in chunks) else 1
+        sizes = self.verify_sizes if L > 1 else self.sizes
+        return (self.static and len(chunks) <= sizes[-1] and all(c.num_tokens <= L and not c.exports for c in chunks)
+                and (media is None or all(m is None for m in media))
+                and max(c.seq.num_computed for c in chunks) + L <= self.max_blocks * self.pool.block_size)
+
+    def _replay(self, chunks: list[Chunk], logit_rows: list[int]) -> StepOutput:
+        verify = any(c.seq.draft is not None for c in chunks)
+        L, Bs = self.verify_len if verify else 1, self.pool.block_size
+        self.table.sync(chunks)
+        rows = next(b for b in (self.verify_sizes if verify else self.sizes) if b >= len(chunks))
+        span = span_bucket(max(max(len(c.seq.blocks), -(-(c.seq.num_computed + L) // Bs)) for c in chunks),
+                           self.max_blocks)
+        g = self.graph(rows, span, L)
+        logits = g(chunks)
+        lens = [c.num_tokens for c in chunks]
+        # packed row r of chunk i is row i * L + (r - its start) of the graph's padded rows
+        padded = [i * L + j for i, n in enumerate(lens) for j in range(n)]
+        taps = take_rows(stack_taps(g.found)[0], padded) if self.taps else None
+        if L == 1:
+            return StepOutput(take_rows(logits, logit_rows), taps=taps)
+        return StepOutput(take_rows(logits, [padded[r] for r in logit_rows]), None,
+                          Verification([c.seq for c in chunks], lens, g.buffers, g.slots, graphed=True), taps)
+
+    def _embeds(self, ids: Tensor, chunks: list[Chunk], media: list | None) -> Tensor | None:
+        """The token embeddings [1, T, D] with the chunks' image tokens written over their media pads (None: no
+        images; the model embeds the ids itself)."""
+        if media is None or all(m is None for m in media):
+            return None
+        embeds = self.model.model.embed_tokens(ids)
+        start = 0
+        for c, m in zip(chunks, media):
+            if m is not None:
+                embeds[0, [start + r for r in m[0]]] = m[1].to(embeds.dtype)
+            start += c.num_tokens
+        return embeds
 
     def commit(self, v: Verification, rejected: dict[Sequence, int]) -> None:
         """Write each verifying sequence's KDA slot for the tokens of its row it keeps: all of them but its
@@ -201,20 +174,16 @@ class ModelRunner:
         keep = [n - rejected.get(seq, 0) for seq, n in zip(v.seqs, v.lens)]
         keep += [1] * (v.slots.shape[0] - len(keep))  # a graph's padding rows (the scratch slot)
         host = torch.tensor(keep)
-        if v.rows.buffers is not None and self.handle is not None:  # a graph's step: a graph's commit
+        if v.graphed and self.handle is not None:  # a graph's step: a graph's commit
             self._commit_graph(len(keep))(v.slots, host)
             return
         keep_N = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-        self._commit(v.rows.saved, v.slots, keep_N)
+        commit_kda(self.kda, v.saved, v.slots, keep_N)
 
-    def _commit(self, saved: list[tuple[Tensor, ...]], slots_N: Tensor, keep_N: Tensor) -> None:
-        for (attn, view), layer_saved in zip(self.kda, saved):
-            attn.commit(view, layer_saved, slots_N, keep_N)
-
-    def _commit_graph(self, rows: int) -> _CommitGraph:
+    def _commit_graph(self, rows: int) -> CommitGraph:
         g = self.commit_graphs.get(rows)
         if g is None:
-            g = self.commit_graphs[rows] = _CommitGraph(self, rows, self.handle)
+            g = self.commit_graphs[rows] = CommitGraph(self.kda, self.buffers(rows), self.pool, rows, self.handle)
         return g
 
     def _adapter_rows(self, chunks: list[Chunk]):
@@ -238,88 +207,11 @@ class ModelRunner:
                                   block_size=Bs, conv_window=self.pool.conv_window,
                                   pad_block=self.pool.scratch_block, device=self.device)
                 ids = torch.zeros(1, sum(lens), dtype=torch.long, device=self.device)
-                self.model(ids, state=self.pool, step=step,
-                           logits_at=torch.zeros(1, dtype=torch.long, device=self.device))
+                self.model.run_step(ids, self.pool, step, logits_at=torch.zeros(1, dtype=torch.long,
+                                                                                 device=self.device))
             n *= 2
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def capture(fn, handle, warmups: int):
-    """fn() run `warmups` times on a side stream, outside any graph, then captured into a CUDA graph in the memory
-    pool `handle`: (the graph, what the captured call returned: tensors each replay refills)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        for _ in range(warmups):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=handle), torch.no_grad():
-        out = fn()
-    return graph, out
-
-
-class _StepGraph:
-    """One captured uniform step for `rows` sequences of `row_len` tokens (real ones first, then padding on the
-    scratch rows) whose keys span `span` blocks at most: decode (row_len 1) or verification (1 + k).
-
-    With `handle=None` nothing is captured and each call runs the same static step eagerly (the CPU tests check
-    the padding this way)."""
-
-    def __init__(self, runner: ModelRunner, rows: int, span: int, row_len: int, handle):
-        # a proxy, not a reference: the runner owns its graphs, and a cycle would keep the captured graphs' memory
-        # pool (and the state pool) alive after `del engine` until the cycle collector happens to run
-        self.runner, self.rows, self.span, self.row_len = weakref.proxy(runner), rows, span, row_len
-        # the inputs are views of one buffer, refilled by one host-to-device copy per step
-        self.inputs = torch.zeros((row_len + 2) * rows, dtype=torch.long, device=runner.device)
-        ids, self.slots, self.cached = self.inputs.split([row_len * rows, rows, rows])
-        self.ids = ids.view(1, row_len * rows)
-        self.slots.fill_(runner.pool.scratch_slot)
-        self.graph = None
-        if handle is not None:  # warmed up twice on the scratch rows (autotuning, lazy init)
-            self.graph, self.logits = capture(self._forward, handle, warmups=2)
-
-    def _forward(self) -> Tensor:
-        """The static step; the tapped hidden states into `found` (under a graph, tensors each replay refills)."""
-        r = self.runner
-        self.step = uniform_step(self.slots, self.cached, r.table.table[self.slots, : self.span],
-                                 row_len=self.row_len, block_size=r.pool.block_size,
-                                 max_len=self.span * r.pool.block_size, conv_window=r.pool.conv_window,
-                                 pad_block=r.pool.scratch_block)
-        if self.step.verify is not None:
-            self.step.verify.buffers = r.verify_buffers(self.rows)
-        with tapped(r.model, r.taps) as self.found:
-            return r.model(self.ids, state=r.pool, step=self.step)[0].float()
-
-    def __call__(self, chunks: list[Chunk]) -> Tensor:
-        pad, L = self.rows - len(chunks), self.row_len
-        ids = [t for c in chunks for t in c.seq.row_tokens(c.num_tokens) + [0] * (L - c.num_tokens)]
-        host = torch.tensor(ids + [0] * (pad * L) + [c.seq.slot for c in chunks]
-                            + [self.runner.pool.scratch_slot] * pad + [c.seq.num_computed for c in chunks] + [0] * pad)
-        self.inputs.copy_(host.pin_memory() if self.inputs.is_cuda else host, non_blocking=True)
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        return self.logits
-
-
-class _CommitGraph:
-    """`ModelRunner.commit` captured for the verification graphs of `rows` rows (their buffers are shared): the
-    slots and the kept counts are copied into its inputs before each replay."""
-
-    def __init__(self, runner: ModelRunner, rows: int, handle):
-        self.inputs = torch.zeros(2 * rows, dtype=torch.long, device=runner.device)
-        self.slots, self.keep = self.inputs.split([rows, rows])
-        self.slots.fill_(runner.pool.scratch_slot)
-        self.keep.fill_(1)
-        saved = runner.verify_buffers(rows)
-        self.graph, _ = capture(lambda: runner._commit(saved, self.slots, self.keep), handle, warmups=1)
-
-    def __call__(self, slots_N: Tensor, keep: Tensor) -> None:
-        self.slots.copy_(slots_N)
-        self.keep.copy_(keep.pin_memory(), non_blocking=True)
-        self.graph.replay()
 
 
 def logit_rows(chunks: list[Chunk]) -> tuple[list[int], list, list]:

@@ -41,6 +41,23 @@ def token_logprobs(logprobs_MV: Tensor, tokens: list[int], k: int) -> list[Token
     return [TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, picked, tops)]
 
 
+def prompt_logprobs(seq: Sequence, logits_nV: Tensor) -> Tensor:
+    """The prompt logprobs of a chunk starting at seq.num_computed from its [n, V] logits (row i predicts prompt
+    token num_computed+i+1), appended to the request's; positions already reported (a preempted prefill computes
+    them again) are skipped. Returns the rows' log-softmax, which the chunk's prefix snapshots keep."""
+    group, k, first, n = seq.group, seq.params.prompt_logprobs, seq.num_computed, logits_nV.shape[0]
+    if group.prompt_logprobs is None:
+        group.prompt_logprobs = [None]
+    lp = logits_nV.log_softmax(-1)
+    lo = len(group.prompt_logprobs)  # the next prompt position without a logprob
+    hi = min(first + n, seq.num_prompt - 1)  # the last position a row of this chunk predicts
+    if hi >= lo:
+        group.prompt_logprobs.extend(token_logprobs(lp[lo - first - 1: hi - first], seq.tokens[lo: hi + 1], k))
+    if first + n == seq.num_prompt:  # the prompt's last row: its end snapshot keeps it
+        group.prompt_end_row = lp[-1].clone()
+    return lp
+
+
 def _penalized(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or bool(p.presence_penalty or p.frequency_penalty)
 

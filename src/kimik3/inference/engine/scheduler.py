@@ -10,6 +10,7 @@ blocks are freed and it is recomputed later, possibly from the prefix cache).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.generated = 0  # tokens appended to sequences
 
     def schedule(self) -> list[Chunk]:
         budget, chunks, preempted = self.budget, [], False
@@ -70,6 +72,9 @@ class Scheduler:
             n = self._chunk_size(seq, budget)
             chunks.append(Chunk(seq, n, self._exports(seq, n)))
             budget -= n
+        now = time.monotonic()
+        for c in chunks:
+            c.seq.group.first_scheduled = c.seq.group.first_scheduled or now
         return chunks
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
@@ -168,6 +173,21 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.preemptions += 1
+
+    def append(self, commits: list[tuple[Sequence, list[int], list[TokenLogprob | None]]]) -> list[RequestState]:
+        """A step's committed tokens, each sequence's through `update` in order (one that finishes drops the rest):
+        the requests that advanced, in order."""
+        now = time.monotonic()
+        advanced: dict[str, RequestState] = {}
+        for seq, tokens, logprobs in commits:
+            seq.group.first_token = seq.group.first_token or now
+            for token, lp in zip(tokens, logprobs):
+                self.update(seq, token, lp)
+                self.generated += 1
+                if seq.status is Status.FINISHED:  # a stop id, string or the length: the rest is dropped
+                    break
+            advanced[seq.group.request.request_id] = seq.group
+        return list(advanced.values())
 
     def update(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         """Append a sampled token, then the stop checks in order: a stop id, a finished grammar, a stop string,

@@ -10,7 +10,7 @@ committed tokens are known the runner's `commit` runs the delta rule again over 
 commit`), so the committed KDA state is always the state after committed tokens only: no state copy per draft
 token, no rollback, and nothing re-fed. MLA latents of rejected positions are dropped by the sequence length not
 advancing over them (the next step overwrites them). Steps whose rows are all short replay a CUDA graph with every
-row padded to 1 + k tokens (runner.py).
+row padded to 1 + k tokens (graphs.py).
 
 Structured output speculates where its constraint can roll back (`GrammarConstraint`): before the forward the
 draft is walked through the grammar, cut at its first token the grammar refuses, and each verification row keeps
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from kimik3.inference.engine.config import SpeculativeConfig
 from kimik3.inference.engine.request import Sequence, Status, TokenLogprob
-from kimik3.inference.engine.runner import take_rows
+from kimik3.inference.engine.runner import ModelRunner, Verification, take_rows
 from kimik3.inference.engine.sampler import processed, raw_logprobs
 from kimik3.inference.engine.scheduler import Chunk
 from kimik3.inference.spec import Draft, Proposer, SpecStats, SuffixProposer, verify
@@ -165,6 +165,30 @@ class Speculator:
                                                      [seq.params] * len(committed))))
             i += k + 1
         return out
+
+    def verify_and_commit(self, logits_MV: Tensor, samplers: list[tuple[Sequence, int]], v: Verification,
+                          runner: ModelRunner) -> list[tuple[Sequence, list[int], list[TokenLogprob | None]]]:
+        """After a step whose rows verified drafts (`samplers`: each sampling sequence's first row of logits_MV):
+        the drafted sequences' committed tokens (`verify`), their KDA slots written for just those
+        (`ModelRunner.commit`), and their computed positions cut back to them (the latents past them no longer
+        count). Returns (seq, tokens, logprobs) per drafted sequence."""
+        out = self.verify(logits_MV, [(s, r) for s, r in samplers if s.draft is not None])
+        rejected = {seq: len(seq.draft_tokens) + 1 - len(tokens) for seq, tokens, _ in out}
+        runner.commit(v, rejected)
+        for seq, n in rejected.items():
+            seq.num_computed -= n
+            seq.draft = None
+        return out
+
+    def observe(self, chunks: list[Chunk], starts: list[int], hidden: Tensor | None,
+                forks: list[tuple[Sequence, Sequence]]) -> None:
+        """After a step's tokens were appended: the taps of the positions it computed (`starts`: each chunk's first
+        position; `hidden`: the step's taps, a drafter's input), and the choices it forked."""
+        if not self.needs_taps:
+            return
+        self.record_taps(chunks, starts, hidden)
+        for parent, child in forks:
+            self.fork(parent, child)
 
     def record_taps(self, chunks: list[Chunk], starts: list[int], hidden: Tensor) -> None:
         """Keep the taps [T, n*D] of the positions this step computed and committed (never a rejected draft's)."""

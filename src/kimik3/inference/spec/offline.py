@@ -17,10 +17,11 @@ from kimik3.inference.spec.verify import verify
 
 @torch.no_grad()
 def greedy_reference(target: nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Non-speculative greedy decoding by full forwards: the tokens speculative greedy must reproduce."""
-    ids = list(prompt)
+    """Non-speculative greedy decoding by full forwards (no cache), on the target's device: the tokens speculative
+    greedy must reproduce, and the engine's tests' oracle."""
+    ids, device = list(prompt), next(target.parameters()).device
     for _ in range(max_new_tokens):
-        ids.append(int(target(torch.tensor([ids]))[0, -1].argmax()))
+        ids.append(int(target(torch.tensor([ids], device=device))[0, -1].argmax()))
     return ids[len(prompt):]
 
 

@@ -2,7 +2,7 @@
 
 Legend: B batch, T tokens, D hidden, M stored AttnRes blocks, n tapped layers.
 
-A K3 decoder layer returns (running sum, blocks [M, B, T, D]): with block attention residuals the running sum
+A K3 decoder layer returns (running sum, blocks [M, B, T, D], ...): with block attention residuals the running sum
 holds only the current block's layers. What we tap is the full residual stream after layer i,
 h_i = blocks.sum(0) + running sum (the embedding plus every layer's output so far), the tensor a plain
 pre-norm transformer would carry there, so a drafter sees the same quantity whichever block a layer is in.
@@ -17,9 +17,10 @@ import torch
 from torch import Tensor, nn
 
 
-def residual_stream(output: tuple[Tensor, Tensor]) -> Tensor:
-    """A decoder layer's (running sum [B, T, D], blocks [M, B, T, D]) -> the residual stream [B, T, D] (fp32)."""
-    partial, blocks = output
+def residual_stream(output: tuple[Tensor, Tensor, object]) -> Tensor:
+    """A decoder layer's (running sum [B, T, D], blocks [M, B, T, D], its attention's step output) -> the residual
+    stream [B, T, D] (fp32)."""
+    partial, blocks, _ = output
     h = partial.float()
     return h + blocks.float().sum(0) if len(blocks) else h
 

@@ -75,6 +75,7 @@ def _mutate(path: list[str], value):
     (["text_config", "mla_use_nope"], False, "mla_use_nope"),
     (["text_config", "pad_token_id"], 300, "pad_token_id"),
     (["text_config", "num_experts"], 0, "num_experts"),
+    (["text_config", "tie_word_embeddings"], True, "tie_word_embeddings"),  # read, never silently ignored
     (["vision_config", "qkv_hidden_size"], 47, "qkv_hidden_size"),
     (["vision_config", "text_hidden_size"], 81, "text_hidden_size"),
     (["vision_config", "pos_emb_interpolation_mode"], "bicubic", "pos_emb_interpolation_mode"),

@@ -1,0 +1,176 @@
+"""CUDA graphs of the engine's static steps: decode-only steps and graphed verification steps replay a graph
+captured per (batch bucket, span bucket, row length), with static shapes, padding rows on the pool's scratch slot and
+block, and block tables read from a persistent device table indexed by slot (`BlockTable`: updated by the blocks each
+step adds, never rebuilt). The span bucket is the power of two of blocks that covers the step's longest sequence,
+so a step attends over at most twice the cached keys whatever `max_model_len` is; a bucket's graph is captured the
+first time a step needs it.
+
+With speculative decoding a step whose rows are all short and some verify a draft replays a verification graph:
+every row padded to 1 + k tokens (the padding is never kept), KDA's recurrent kernel over them, and each KDA layer's
+saved inputs copied into buffers every verification graph shares (`VerifyBuffers`), which the commit graph of as
+many rows reads.
+
+A graph is handed what its step reads (the model, the state pool, the block table, the tapped layers), never the
+runner. Legend: S slots, MB blocks per table, R rows, L row length, T = R*L packed tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from kimik3.inference.engine.scheduler import Chunk
+from kimik3.inference.spec.taps import tapped
+from kimik3.model.state import KDAView, StatePool
+from kimik3.model.step import uniform_step
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_SPAN_BLOCKS = 16  # the smallest key span a graph is captured for (1,024 tokens in blocks of 64)
+# the most rows a verification graph has: its saved KDA inputs grow with the rows (per row and KDA layer, at K3's
+# widths, a few MB for 1 + k = 8 tokens), so larger verifying batches run eagerly (where speculation gains least)
+VERIFY_GRAPH_ROWS = 16
+
+
+def span_bucket(blocks: int, max_blocks: int) -> int:
+    """Blocks of key span a graph attends over for a longest sequence of `blocks` blocks."""
+    span = MIN_SPAN_BLOCKS
+    while span < blocks:
+        span *= 2
+    return min(span, max_blocks)
+
+
+class BlockTable:
+    """Each slot's block list on the device ([S+1, MB], the scratch slot's row all scratch block), kept in step
+    with the sequences' host lists by writing only the entries that changed."""
+
+    def __init__(self, pool: StatePool, max_blocks: int):
+        self.pad = pool.scratch_block
+        self.table = torch.full((pool.num_slots + 1, max_blocks), self.pad, dtype=torch.long, device=pool.device)
+        self.rows: list[list[int]] = [[] for _ in range(pool.num_slots + 1)]
+
+    def sync(self, chunks: list[Chunk]) -> None:
+        idx, val = [], []
+        for c in chunks:
+            slot, blocks = c.seq.slot, c.seq.blocks
+            have = self.rows[slot]
+            start = len(have) if blocks[: len(have)] == have else 0
+            if start == 0 and have:  # a new holder of the slot: clear what the last one left past its blocks
+                idx.extend(slot * self.table.shape[1] + j for j in range(len(blocks), len(have)))
+                val.extend([self.pad] * (len(have) - len(blocks)))
+            idx.extend(slot * self.table.shape[1] + j for j in range(start, len(blocks)))
+            val.extend(blocks[start:])
+            self.rows[slot] = list(blocks)
+        if idx:
+            host = torch.tensor([idx, val], dtype=torch.long)
+            dev = host.pin_memory().to(self.table.device, non_blocking=True) if self.table.is_cuda else host
+            self.table.view(-1).index_copy_(0, dev[0], dev[1])
+
+
+class VerifyBuffers:
+    """Per KDA layer, static buffers for a verification step's saved inputs (`KDAStepIO.saved`: k, v, g, beta
+    [R, L, ...], q/k/v pre-conv inputs [R, L+W-1, P]), `max_rows` rows, allocated at first use; every verification
+    graph copies into their first rows and the commit graphs read them."""
+
+    def __init__(self, pool: StatePool, num_kda: int, max_rows: int, row_len: int):
+        self.pool, self.num_kda, self.max_rows, self.row_len = pool, num_kda, max_rows, row_len
+        self.buffers: list[tuple[Tensor, ...]] | None = None
+
+    def __call__(self, rows: int) -> list[tuple[Tensor, ...]]:
+        if self.buffers is None:
+            R, L, p = self.max_rows, self.row_len, self.pool
+            _, _, H, K, _ = p.recurrent.shape
+            W1, P = p.conv.shape[-2:]
+            new = lambda *shape, dtype=p.dtype: torch.zeros(*shape, dtype=dtype, device=p.device)  # noqa: E731
+            self.buffers = [(new(R, L, H, K), new(R, L, H, K), new(R, L, H, K), new(R, L, H, dtype=torch.float32),
+                             *(new(R, L + W1, P) for _ in range(3))) for _ in range(self.num_kda)]
+        return [tuple(t[:rows] for t in layer) for layer in self.buffers]
+
+
+def capture(fn: Callable[[], object], handle, warmups: int):
+    """fn() run `warmups` times on a side stream, outside any graph, then captured into a CUDA graph in the memory
+    pool `handle`: (the graph, what the captured call returned: tensors each replay refills)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=handle), torch.no_grad():
+        out = fn()
+    return graph, out
+
+
+class StepGraph:
+    """One captured uniform step for `rows` sequences of `row_len` tokens (real ones first, then padding on the
+    scratch rows) whose keys span `span` blocks at most: decode (row_len 1) or verification (1 + k, its KDA layers'
+    saved inputs copied into `buffers`).
+
+    With `handle=None` nothing is captured and each call runs the same static step eagerly (the CPU tests check
+    the padding this way)."""
+
+    def __init__(self, model: nn.Module, pool: StatePool, table: BlockTable, taps: tuple[int, ...], rows: int,
+                 span: int, row_len: int, handle, buffers: list[tuple[Tensor, ...]] | None = None):
+        self.model, self.pool, self.table, self.taps = model, pool, table, taps
+        self.rows, self.span, self.row_len, self.buffers = rows, span, row_len, buffers
+        # the inputs are views of one buffer, refilled by one host-to-device copy per step
+        self.inputs = torch.zeros((row_len + 2) * rows, dtype=torch.long, device=pool.device)
+        ids, self.slots, self.cached = self.inputs.split([row_len * rows, rows, rows])
+        self.ids = ids.view(1, row_len * rows)
+        self.slots.fill_(pool.scratch_slot)
+        self.graph = None
+        if handle is not None:  # warmed up twice on the scratch rows (autotuning, lazy init)
+            self.graph, self.logits = capture(self._forward, handle, warmups=2)
+
+    def _forward(self) -> Tensor:
+        """The static step -> logits [T, V] fp32; the tapped hidden states into `found` (under a graph, tensors each
+        replay refills)."""
+        p = self.pool
+        step = uniform_step(self.slots, self.cached, self.table.table[self.slots, : self.span], row_len=self.row_len,
+                            block_size=p.block_size, max_len=self.span * p.block_size, conv_window=p.conv_window,
+                            pad_block=p.scratch_block)
+        with tapped(self.model, self.taps) as self.found:
+            logits, ios = self.model.run_step(self.ids, p, step)
+        for buffer, io in zip(self.buffers or (), ios):
+            for b, t in zip(buffer, io.saved):
+                b.copy_(t)
+        return logits[0].float()
+
+    def __call__(self, chunks: list[Chunk]) -> Tensor:
+        pad, L = self.rows - len(chunks), self.row_len
+        ids = [t for c in chunks for t in c.seq.row_tokens(c.num_tokens) + [0] * (L - c.num_tokens)]
+        host = torch.tensor(ids + [0] * (pad * L) + [c.seq.slot for c in chunks]
+                            + [self.pool.scratch_slot] * pad + [c.seq.num_computed for c in chunks] + [0] * pad)
+        self.inputs.copy_(host.pin_memory() if self.inputs.is_cuda else host, non_blocking=True)
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.logits
+
+
+def commit_kda(kda: list[tuple[nn.Module, KDAView]], saved: list[tuple[Tensor, ...]], slots_N: Tensor,
+               keep_N: Tensor) -> None:
+    """Each verifying slot's KDA state after the first keep_N[n] tokens of its row (`KimiDeltaAttention.commit`),
+    for every KDA layer (attention module, its pool view) from its saved inputs."""
+    for (attn, view), layer_saved in zip(kda, saved):
+        attn.commit(view, layer_saved, slots_N, keep_N)
+
+
+class CommitGraph:
+    """`commit_kda` captured for the verification graphs of `rows` rows (their buffers are shared): the slots and
+    the kept counts are copied into its inputs before each replay."""
+
+    def __init__(self, kda: list[tuple[nn.Module, KDAView]], buffers: list[tuple[Tensor, ...]], pool: StatePool,
+                 rows: int, handle):
+        self.inputs = torch.zeros(2 * rows, dtype=torch.long, device=pool.device)
+        self.slots, self.keep = self.inputs.split([rows, rows])
+        self.slots.fill_(pool.scratch_slot)
+        self.keep.fill_(1)
+        self.graph, _ = capture(lambda: commit_kda(kda, buffers, self.slots, self.keep), handle, warmups=1)
+
+    def __call__(self, slots_N: Tensor, keep: Tensor) -> None:
+        self.slots.copy_(slots_N)
+        self.keep.copy_(keep.pin_memory(), non_blocking=True)
+        self.graph.replay()

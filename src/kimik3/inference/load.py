@@ -1,0 +1,85 @@
+"""`load_engine`: a checkpoint folder made ready to serve, the one loader of `serve`, `generate`, `chat`, batch files
+and the lm-eval harness.
+
+    engine = load_engine("path/to/ckpt", EngineConfig(max_num_seqs=8))
+    for events in engine_stream(engine, [engine.tokenizer.encode("ROMEO:")], SamplingParams()): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from kimik3.inference.engine import Engine, EngineConfig
+from kimik3.inference.threads import pick_cpu_threads
+from kimik3.tokenizer import Tokenizer
+
+# what `load` below calls to build the model: kimik3.load's keywords (a tensor- or expert-parallel loader from
+# kimik3.distributed, which this layer may not import, is passed in instead)
+Loader = Callable[..., nn.Module]
+
+
+def load_engine(path: str | Path, config: EngineConfig | None = None, *, device: str | None = None,
+                dtype: torch.dtype | str | None = None, vision: bool | None = False, lora: str | Path | None = None,
+                adapters: dict[str, str | Path] | None = None, threads: int | None = None,
+                sync_tokens: Callable[[Tensor], object] | None = None, loader: Loader | None = None,
+                quiet: bool = True) -> Engine:
+    """The checkpoint at `path` (a folder, or a hub id already resolved to one) loaded for inference, with its
+    tokenizer, under an engine of `config`.
+
+    Args:
+        device: "cpu" or "cuda" (default: cuda when available).
+        dtype: compute dtype (default: the checkpoint's).
+        vision: False loads the text model only; None the vision tower when the shards hold one; True requires it.
+        lora: a LoRA adapter folder put on the model in place (its routed experts stay MXFP4).
+        adapters: LoRA adapters the engine serves, name -> folder (requests pick one; `Engine(adapters=...)`).
+        threads: CPU threads (default: `pick_cpu_threads`' choice).
+        sync_tokens: as `Engine`'s (ranks generating together).
+        loader: builds the model instead of `kimik3.load` (same keywords): a parallel loader.
+
+    The model runs in eval mode; its routed experts are relaid for the MoE backend's kernels (Humming's where it
+    picks them) unless adapters need them packed. The engine's `tokenizer` is the folder's `tiktoken.model`, and
+    its end ids are the turn's end and the config's eos_token_id.
+    """
+    import kimik3
+    from kimik3.quant import relayout_experts
+
+    path = Path(path)
+    tokenizer = read_tokenizer(path)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    # None with images too: a config with a vision_config over shards without its tensors loads as text
+    text_only = True if vision is False else None
+    packed = lora is not None or bool(adapters)  # adapters on routed experts run over the stored MXFP4 codes
+    model = (loader or kimik3.load)(path, dtype=dtype, device=device, text_only=text_only, quiet=quiet,
+                                    keep_experts_packed=packed)
+    if lora is not None:
+        from kimik3.lora import load as load_adapter
+
+        load_adapter(model, lora)
+    model = model.eval()
+    if not adapters:
+        relayout_experts(model)  # Humming's kernels where the MoE backend (auto) picks them: one copy, inference only
+    if vision and not getattr(model, "has_vision", False):
+        raise ValueError(f"images: the checkpoint at {path} holds no vision tower tensors (vision_tower.*): it "
+                         "reads text only")
+    pick_cpu_threads(model, device, threads)
+    return Engine(model, config, eos_token_ids=end_ids(model, tokenizer), tokenizer=tokenizer, model_id=str(path),
+                  adapters=adapters or None, sync_tokens=sync_tokens)
+
+
+def read_tokenizer(path: Path) -> Tokenizer:
+    file = path / "tiktoken.model"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: the model folder has no tokenizer (tiktoken.model); copy the one the "
+                                "checkpoint was trained with next to config.json")
+    return Tokenizer.from_file(file)
+
+
+def end_ids(model: nn.Module, tok: Tokenizer) -> list[int]:
+    """The ids a reply ends on: the turn's end (<|end_of_msg|>) and the model's end of text (config.eos_token_id:
+    [EOS] for a model trained on documents, such as the demo model)."""
+    return sorted({tok.eos_id, getattr(model.config, "eos_token_id", None)} - {None})
