@@ -2,8 +2,8 @@
 
 Inside the package the rooms form a fan, not a chain:
 
-    config <- ops <- model <- quant (transforms of a built model) <- {checkpoint, inference, atlas} <- distributed
-        <- train <- cli
+    config <- ops <- model <- {quant, placement} (transforms of a built model) <- {checkpoint, inference, atlas}
+        <- distributed <- train <- cli
     tokenizer and vision (preprocessing) sit beside ops; serve sits on inference + tokenizer; lora (adapters over the
     frozen base) sits on model + checkpoint and under train and the engine; the model never imports lora
     hf (transformers classes, lm-eval model) sits on model, checkpoint, tokenizer and inference; only cli imports it
@@ -26,12 +26,14 @@ ALLOWED = {
     "ops": set(),
     "model": {"config", "ops"},
     "quant": {"config", "ops", "model"},
-    "checkpoint": {"config", "ops", "model", "presets", "quant"},
+    # where the routed experts live (host memory and a device cache): the loader places them as it reads
+    "placement": {"config", "ops", "model"},
+    "checkpoint": {"config", "ops", "model", "presets", "quant", "placement"},
     "atlas": {"config", "ops", "model", "checkpoint", "presets", "tokenizer"},
     "tokenizer": {"config"},
     "vision": {"config", "ops", "model"},
     # the engine serves LoRA adapters (inference/engine -> lora.serving); lora never imports inference
-    "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets", "quant", "lora"},
+    "inference": {"config", "ops", "model", "checkpoint", "tokenizer", "presets", "quant", "placement", "lora"},
     "serve": {"config", "ops", "model", "checkpoint", "inference", "tokenizer", "presets", "vision"},
     "distributed": {"config", "ops", "model", "checkpoint"},
     # train/draft.py trains the speculative drafter of inference/spec (a model that serves inference)

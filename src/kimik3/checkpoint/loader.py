@@ -49,14 +49,18 @@ from kimik3.checkpoint.safetensors_header import TensorEntry
 from kimik3.checkpoint.sharded import ExpertShard, slice_experts
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
+from kimik3.model.moe import MXFP4Experts
 from kimik3.ops.mxfp4 import decode, encode
+from kimik3.placement import WORKSPACE, fill_slots, load_trace, plan_experts, tier_experts
 from kimik3.quant import pack_experts
 
 
 def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
          text_only: bool | None = None, keep_experts_packed: bool = False, quiet: bool = False,
          expert_shard: tuple[int, int] | None = None, experts: str | None = None,
-         revision: str | None = None) -> K3ForConditionalGeneration:
+         revision: str | None = None, cpu_offload_gb: float | str | None = None, expert_misses: str = "auto",
+         expert_trace: str | Path | None = None,
+         offload_reserve_bytes: int | None = None) -> K3ForConditionalGeneration:
     """Load a checkpoint folder (config.json, model.safetensors.index.json + shards, or model.safetensors).
 
     Args:
@@ -78,6 +82,13 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
             MoE layer (expert parallelism; `kimik3.distributed.expert_parallel.load_expert_parallel`).
         experts: deprecated spelling of keep_experts_packed ("mxfp4" = True, "dequantize" = False).
         revision: a hub id's branch, tag or commit (default: main).
+        cpu_offload_gb: GiB of routed experts (per device) kept in host memory only, the device caching the rest
+            (`kimik3.placement`; "auto" on CUDA: what does not fit beside the other weights and
+            `offload_reserve_bytes`, default 4 GiB, for state and workspace). The experts are read straight into
+            pinned host memory, still MXFP4-packed; None or 0: every expert on `device`, as without it.
+        expert_misses: "auto" (by measured cost), "host" or "copy": how a tiered layer serves a miss.
+        expert_trace: a routing trace (`kimik3.placement.save_trace`) whose hottest experts fill the slots, read
+            when the file exists.
 
     Returns:
         the model; `model(input_ids [B, T])` -> logits [B, T, vocab]. `model.loaded_from` is the folder.
@@ -89,7 +100,8 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
     """
     return load_sharded(resolve(path, revision), dtype=dtype, device=device, text_only=text_only,
                         keep_experts_packed=keep_experts_packed, quiet=quiet, expert_shard=expert_shard,
-                        experts=experts)
+                        experts=experts, cpu_offload_gb=cpu_offload_gb, expert_misses=expert_misses,
+                        expert_trace=expert_trace, offload_reserve_bytes=offload_reserve_bytes)
 
 
 # this rank's block of a checkpoint tensor, given its name and full shape: index slices, or None for all of it
@@ -100,7 +112,10 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
                  text_only: bool | None = None, keep_experts_packed: bool = False, quiet: bool = False,
                  expert_shard: tuple[int, int] | None = None,
                  shard_model: Callable[[nn.Module], object] | None = None,
-                 slice_of: SliceOf | None = None, experts: str | None = None) -> K3ForConditionalGeneration:
+                 slice_of: SliceOf | None = None, experts: str | None = None,
+                 cpu_offload_gb: float | str | None = None, expert_misses: str = "auto",
+                 expert_trace: str | Path | None = None,
+                 offload_reserve_bytes: int | None = None) -> K3ForConditionalGeneration:
     """`load` for parallel loaders (`kimik3.distributed`): the same checks and streaming fill, plus two hooks.
 
     `shard_model(model)` reshapes the model on the meta device into this rank's shards before anything is
@@ -109,6 +124,7 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
     Other arguments: as `load`.
     """
     packed = _keep_packed(keep_experts_packed, experts)
+    offload = cpu_offload_gb not in (None, 0)
     dtype = parse_dtype(dtype)
     device = _parse_device(device)
     if text_only not in (None, True, False):
@@ -131,16 +147,39 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
             print(f"kimik3: {folder.path}: config.json has a vision_config but the shards hold no vision_tower/"
                   "mm_projector tensors; loading the text model", file=sys.stderr)
         entries = _checked_entries(folder, result, cfg, with_vision)
-    model = _meta_model(cfg if with_vision else without_vision(cfg), dtype, packed)
+    if offload and cfg.storage.experts != "mxfp4":
+        raise ValueError(f"{folder.path}: cpu_offload_gb keeps routed experts MXFP4-packed in host memory, but this "
+                         "checkpoint stores them dense; convert it first (kimik3 convert ... --experts mxfp4)")
+    model = _meta_model(cfg if with_vision else without_vision(cfg), dtype, packed or offload)
     if shard is not None:
         slice_experts(model, shard.rank, shard.world)
         entries = [e for e in entries if shard.reads(e.name)]
     if shard_model is not None:
         shard_model(model)
+    tiered = offload and _tier(model, cfg, device, cpu_offload_gb, expert_misses, offload_reserve_bytes, shard)
     model.to_empty(device=device)
     _fill(model, folder.path, entries, device, quiet, shard.start if shard is not None else 0, slice_of)
+    if tiered:
+        if expert_trace is not None and Path(expert_trace).exists():
+            load_trace(model, expert_trace)
+        fill_slots(model)
     setattr(model, LOADED_FROM, folder.path)
     return model
+
+
+def _tier(model: nn.Module, cfg: K3Config, device: torch.device, cpu_offload_gb: float | str, misses: str,
+          reserve: int | None, shard: ExpertShard | None) -> bool:
+    """Put the meta model's routed experts into two tiers as `cpu_offload_gb` asks (`kimik3.placement`); returns
+    whether it did (a budget that holds every expert leaves them all on the device)."""
+    experts = {id(t) for m in model.modules() if isinstance(m, MXFP4Experts) for t in m.buffers()}
+    other = sum(t.nbytes for t in model.state_dict().values() if id(t) not in experts)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    plan = plan_experts(cfg.text, cpu_offload_gb, num_experts=shard.count if shard is not None else None,
+                        free_bytes=free, other_bytes=other, reserve_bytes=WORKSPACE if reserve is None else reserve)
+    if not plan.tiered:
+        return False
+    tier_experts(model, plan.slots, device, staging=plan.staging, misses=misses)
+    return True
 
 
 def _keep_packed(keep_experts_packed: bool, experts: str | None) -> bool:
@@ -229,12 +268,21 @@ def _fill(model: K3ForConditionalGeneration, root: Path, entries: list[TensorEnt
                     for e in file_entries:
                         block = slice_of(e.name, e.shape) if slice_of is not None else None
                         t = f.get_tensor(e.name) if block is None else f.get_slice(e.name)[block]
-                        written += _place(state, e.name, t.to(device), pending, first_expert)
+                        # a tiered layer's experts stay in host memory: they never visit the device
+                        written += _place(state, e.name, t.to(_destination(state, e.name, device)), pending,
+                                          first_expert)
                         advance(e.nbytes)
             except SafetensorError as err:
                 raise ValueError(f"{root / file}: safetensors could not read it ({err})") from None
     # every element of every tensor was written, so nothing is left as to_empty's garbage
     assert not pending and written == sum(t.numel() for t in state.values()), (len(pending), written)
+
+
+def _destination(state: dict[str, Tensor], name: str, device: torch.device) -> torch.device:
+    """Where checkpoint tensor `name` is headed: its model tensor's device (an expert's stacked tensor's)."""
+    key = parse_expert_key(name)
+    dst = state.get(key.stacked if key is not None else name)
+    return dst.device if dst is not None else device
 
 
 def _place(state: dict[str, Tensor], name: str, t: Tensor, pending: dict[tuple[str, int], dict[str, Tensor]],

@@ -18,6 +18,8 @@ from kimik3.config import TextConfig
 from kimik3.model.mlp import MLP
 from kimik3.model.norm import RMSNorm
 from kimik3.ops.moe import DenseWeights, ExpertWeights, PackedWeights, RelaidWeights, routed_experts, warm_relaid
+from kimik3.ops.moe.cache import ExpertCache
+from kimik3.ops.moe.tiered import HostTier, TieredWeights
 from kimik3.ops.mxfp4 import packed_shapes
 from kimik3.ops.router import route, router_logits
 
@@ -119,6 +121,31 @@ class RelaidExperts(RoutedExperts):
 
     def extra_repr(self) -> str:
         return f"experts={self.relaid.num_experts}, width={self.relaid.width}, layout=humming"
+
+
+class TieredExperts(RoutedExperts):
+    """The routed experts in two tiers (`kimik3.ops.moe.tiered`), built by `kimik3.placement.tier_experts`: the
+    checkpoint's `w{1,3,2}_packed` / `_scale` buffers hold all E experts in host memory (pinned beside a GPU), and
+    `slots` (not saved) the device's cache of S of them; `cache` says which, `tier` is shared by the model's layers.
+
+    The tiers stay where they were placed: moving the model (`.to`, `to_empty`) leaves this module alone.
+    """
+
+    def __init__(self, host: PackedWeights, slots: PackedWeights, cache: ExpertCache, tier: HostTier):
+        super().__init__()
+        for name, p, s in zip(("w1", "w3", "w2"), host.packed, host.scales):
+            self.register_buffer(f"{name}_packed", p)
+            self.register_buffer(f"{name}_scale", s)
+        self.slots, self.cache, self.tier = slots, cache, tier
+
+    def weights(self) -> TieredWeights:
+        return TieredWeights(packed_weights(self), self.slots, self.cache, self.tier)
+
+    def _apply(self, fn, recurse=True):
+        return self
+
+    def extra_repr(self) -> str:
+        return f"experts={self.cache.num_experts}, slots={self.cache.num_slots}, layout=mxfp4, tiered"
 
 
 class LatentMoE(nn.Module):

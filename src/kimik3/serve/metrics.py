@@ -33,6 +33,10 @@ _ENGINE = (
     ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Speculative draft tokens verified.", True),
     ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
      True),
+    ("expert_cache_hits", "expert_cache_hits", "Routed (token, expert) rows whose expert was in a device slot "
+     "(tiered experts, --cpu-offload-gb).", True),
+    ("expert_cache_misses", "expert_cache_misses", "Routed rows whose expert was in host memory only.", True),
+    ("expert_cache_bytes_copied", "expert_cache_bytes_copied", "Expert bytes copied from host to device.", True),
 )
 
 

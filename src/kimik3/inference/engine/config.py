@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,11 @@ class EngineConfig:
             the first requests meet no kernel compile or autotuning.
         poison: fill freed slots, freed blocks and evicted snapshots with NaN (tests: a stale read fails).
         speculative: speculative decoding (`SpeculativeConfig`), or None.
+        cpu_offload_gb: GiB of routed experts per device kept in host memory only, the device caching the rest
+            (`kimik3.placement`; "auto": what does not fit); None: every expert on the device. Read when the model
+            loads (`load_engine`): a tiered model's steps run eagerly (each MoE layer reads its routing on the host).
+        expert_trace: a JSON file of the tiered layers' counted routing, read at load when it exists (the cache
+            starts warm) and written when the process exits.
     """
 
     max_num_seqs: int = 64
@@ -81,6 +87,8 @@ class EngineConfig:
     warmup: bool = False
     poison: bool = False
     speculative: SpeculativeConfig | None = None
+    cpu_offload_gb: float | str | None = None
+    expert_trace: str | None = None
 
     def __post_init__(self) -> None:
         def whole(v) -> bool:
@@ -101,6 +109,9 @@ class EngineConfig:
              "an integer >= 1"),
             ("snapshot_interval", whole(self.snapshot_interval) and self.snapshot_interval >= GRID
              and self.snapshot_interval % GRID == 0, f"a positive multiple of {GRID}"),
+            ("cpu_offload_gb", self.cpu_offload_gb in (None, "auto") or (
+                isinstance(self.cpu_offload_gb, (int, float)) and not isinstance(self.cpu_offload_gb, bool)
+                and math.isfinite(self.cpu_offload_gb) and self.cpu_offload_gb >= 0), "a number of GiB >= 0 or 'auto'"),
         )
         for name, ok, want in checks:
             if not ok:

@@ -40,6 +40,7 @@ from kimik3.inference.engine.speculative import Speculator
 from kimik3.inference.sampling import SamplingParams
 from kimik3.lora.serving import attach_adapters
 from kimik3.ops.kda import supports_checkpoints
+from kimik3.placement import tier_stats
 from kimik3.tokenizer.stops import StopDecoder
 
 
@@ -166,7 +167,8 @@ class Engine:
                     cache_usage=1 - len(self.blocks) / self.pool.num_blocks,
                     preemptions=self.scheduler.preemptions, **self.counters,
                     generation_tokens_total=self.scheduler.generated,
-                    **(self.speculator.stats.as_metrics() if self.speculator is not None else {}))
+                    **(self.speculator.stats.as_metrics() if self.speculator is not None else {}),
+                    **{f"expert_cache_{k}": v for k, v in tier_stats(self.model).items()})
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                  progress=None) -> list[RequestOutput]:

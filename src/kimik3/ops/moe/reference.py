@@ -26,23 +26,27 @@ ExpertWeights = Callable[[int], tuple[Tensor, Tensor, Tensor]]  # expert -> (w1 
 
 
 def rows(z: Tensor, topk_idx: Tensor, num_experts: int, weights: ExpertWeights, beta: float,
-         linear_beta: float) -> Tensor:
+         linear_beta: float, out: Tensor | None = None) -> Tensor:
     """y [M, L] in z's dtype: row n * A + a is expert topk_idx[n, a]'s output for token n; rows of expert E or more
-    are zero (skipped)."""
+    are skipped: zero, or as they were in `out` (written in place when given; no autograd then)."""
     A = topk_idx.shape[1]
     e_M = topk_idx.reshape(-1)
     order_M = torch.sort(e_M, stable=True).indices  # grouped by expert, tokens ascending within each
     # one gather for every expert: its backward sums each token's gradient over its slots in ascending expert
     # order, the order expert parallelism's dispatch sums them in (per-expert gathers would leave it to autograd)
     z_ML = z[order_M // A]
-    y_ML = torch.zeros(e_M.numel(), z.shape[1], dtype=z.dtype, device=z.device)
+    y_ML = torch.zeros(e_M.numel(), z.shape[1], dtype=z.dtype, device=z.device) if out is None else out
     start = 0
     for e, n in enumerate(torch.bincount(e_M.clamp(max=num_experts), minlength=num_experts + 1)[:-1].tolist()):
         if n == 0:
             continue
         w1_FL, w3_FL, w2_LF = weights(e)
         h_nF = situ_glu(z_ML[start:start + n] @ w1_FL.T, z_ML[start:start + n] @ w3_FL.T, beta, linear_beta)
-        y_ML = y_ML.index_copy(0, order_M[start:start + n], h_nF @ w2_LF.T)
+        y_nL = h_nF @ w2_LF.T
+        if out is None:
+            y_ML = y_ML.index_copy(0, order_M[start:start + n], y_nL)
+        else:
+            y_ML.index_copy_(0, order_M[start:start + n], y_nL)
         start += n
     return y_ML
 

@@ -241,9 +241,9 @@ def routed_experts_mxfp4(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, packe
 
 def rows(z: Tensor, topk_idx: Tensor, packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tensor, Tensor],
          beta: float, linear_beta: float, rows_per_expert: float | None = None,
-         configs: tuple[tuple, tuple] | None = None) -> Tensor:
+         configs: tuple[tuple, tuple] | None = None, out: Tensor | None = None) -> Tensor:
     """y [N * A, L]: row n * A + a is expert topk_idx[n, a]'s output for token n, rounded to z's dtype; rows whose
-    expert is E or more are skipped (left unwritten: a caller fills them).
+    expert is E or more are skipped (left as they were in `out`, written in place when given).
 
     `rows_per_expert` picks the tiles (default: N * A / E, this call's own); a row's value depends on the tiles and
     on nothing else in the call, so a cache of some experts' slots passes the full model's figure and gets the
@@ -257,7 +257,7 @@ def rows(z: Tensor, topk_idx: Tensor, packed: tuple[Tensor, Tensor, Tensor], sca
     if L % GROUP_SIZE or F % GROUP_SIZE:
         raise ValueError(f"routed_experts_mxfp4: L={L} and F={F} must be multiples of {GROUP_SIZE}")
     M = N * A
-    y = torch.empty(M, L, dtype=z.dtype, device=z.device)
+    y = torch.empty(M, L, dtype=z.dtype, device=z.device) if out is None else out
     if M == 0:
         return y
     c1, c2 = configs or _pick(M / E if rows_per_expert is None else rows_per_expert)
