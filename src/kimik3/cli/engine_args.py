@@ -10,7 +10,8 @@ import dataclasses
 import warnings
 
 ENGINE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
-                "max_model_len": "--max-model-len", "prefix_cache_bytes": "--prefix-cache-bytes"}
+                "max_model_len": "--max-model-len", "prefix_cache_bytes": "--prefix-cache-bytes",
+                "cpu_offload_gb": "--cpu-offload-gb", "expert_trace": "--expert-trace"}
 SPECULATIVE_FLAGS = {"method": "--speculative-method", "model": "--speculative-model",
                      "num_speculative_tokens": "--num-speculative-tokens"}
 
@@ -36,6 +37,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: str = "64", war
     if warmup:
         g.add_argument("--no-warmup", action="store_true",
                        help="skip compiling and capturing every step shape before serving (first requests then wait)")
+    g.add_argument("--cpu-offload-gb", type=_gib, default=None, metavar="GIB",
+                   help="GiB of routed experts per GPU kept in host memory only, the GPU caching the rest (hot "
+                        "experts by counted routing; docs/tiering.md), or auto: what does not fit (default: none)")
+    g.add_argument("--expert-trace", metavar="FILE", default=None,
+                   help="with --cpu-offload-gb: the experts' counted routing, read at start when the file exists "
+                        "(the cache starts warm) and written at exit")
     g.add_argument("--speculative-method", choices=("suffix", "draft"), default=None,
                    help="speculative decoding: suffix (model-free, copies from the prompt and output) or draft "
                         "(a DSpark-style drafter, --speculative-model); the same output (greedy: the same tokens in "
@@ -86,9 +93,13 @@ def engine_config(args, base, positions: int | None = None):
                          "(max_position_embeddings)")
     if args.no_prefix_cache and args.prefix_cache_bytes is not None:
         raise ValueError("--prefix-cache-bytes sizes the prefix cache that --no-prefix-cache turns off: give one")
+    offload, trace = getattr(args, "cpu_offload_gb", None), getattr(args, "expert_trace", None)
+    if trace is not None and offload is None:
+        raise ValueError("--expert-trace records the routing of tiered experts: it needs --cpu-offload-gb")
     given = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                ("max_num_batched_tokens", args.max_num_batched_tokens),
-                               ("max_model_len", limit), ("prefix_cache_bytes", args.prefix_cache_bytes))
+                               ("max_model_len", limit), ("prefix_cache_bytes", args.prefix_cache_bytes),
+                               ("cpu_offload_gb", offload), ("expert_trace", trace))
              if v is not None}
     if args.no_prefix_cache or args.prefix_cache_bytes is not None:
         given["enable_prefix_cache"] = not args.no_prefix_cache
@@ -98,6 +109,16 @@ def engine_config(args, base, positions: int | None = None):
         return dataclasses.replace(base, **given, speculative=speculative_config(args))
     except ValueError as e:
         raise _flag_error(e, ENGINE_FLAGS) from None
+
+
+def _gib(text: str) -> float | str:
+    """--cpu-offload-gb's value: "auto" or a number (its range is EngineConfig's to check)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB or auto, got {text!r}") from None
 
 
 def _flag_error(e: Exception, flags: dict[str, str]) -> Exception:

@@ -7,6 +7,7 @@ and the lm-eval harness.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 
 from kimik3.inference.engine import Engine, EngineConfig
 from kimik3.inference.threads import pick_cpu_threads
+from kimik3.placement import save_trace, tiered_layers
 from kimik3.tokenizer import Tokenizer
 
 # what `load` below calls to build the model: kimik3.load's keywords (a tensor- or expert-parallel loader from
@@ -54,8 +56,15 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
     # None with images too: a config with a vision_config over shards without its tensors loads as text
     text_only = True if vision is False else None
     packed = lora is not None or bool(adapters)  # adapters on routed experts run over the stored MXFP4 codes
+    cfg = config or EngineConfig()
+    tiers = {}
+    if cfg.cpu_offload_gb is not None:
+        tiers = dict(cpu_offload_gb=cfg.cpu_offload_gb, expert_trace=cfg.expert_trace,
+                     offload_reserve_bytes=offload_reserve(path, cfg))
     model = (loader or kimik3.load)(path, dtype=dtype, device=device, text_only=text_only, quiet=quiet,
-                                    keep_experts_packed=packed)
+                                    keep_experts_packed=packed, **tiers)
+    if cfg.expert_trace is not None and tiered_layers(model):
+        atexit.register(save_trace, model, cfg.expert_trace)  # the routing this run counted, for the next
     if lora is not None:
         from kimik3.lora import load as load_adapter
 
@@ -69,6 +78,20 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
     pick_cpu_threads(model, device, threads)
     return Engine(model, config, eos_token_ids=end_ids(model, tokenizer), tokenizer=tokenizer, model_id=str(path),
                   adapters=adapters or None, sync_tokens=sync_tokens)
+
+
+def offload_reserve(path: Path, config: EngineConfig) -> int:
+    """Device bytes "auto" tiering leaves beside the weights: the engine's KDA slots, one sequence's MLA blocks
+    at max_model_len (the pool's floor), and a workspace."""
+    from kimik3.model.cache import state_bytes
+    from kimik3.placement import WORKSPACE
+    from kimik3.presets import load_config
+
+    text = load_config(str(path)).text
+    one = state_bytes(text, torch.bfloat16)
+    length = config.max_model_len or text.max_position_embeddings
+    return (WORKSPACE + config.max_num_seqs * (one["kda_state_per_sequence"] + one["kda_conv_per_sequence"])
+            + length * one["mla_latent_per_token"])
 
 
 def read_tokenizer(path: Path) -> Tokenizer:
