@@ -25,12 +25,14 @@ def _six(packed, scales, e):
     return tuple(t[e] for pair in zip(packed, scales) for t in pair)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_host_kernel_equals_the_reference_rows(dtype):
+@pytest.mark.parametrize("dtype, L, F", [(torch.float32, 96, 160), (torch.bfloat16, 96, 160),
+                                         (torch.bfloat16, 128, 192)])
+def test_host_kernel_equals_the_reference_rows(dtype, L, F):
     """Three experts with 1, 5 and 11 rows (a row count past the kernel's 8-row passes) at widths with several
-    scale groups: fp32 to fp32 rounding, bf16 as the torch computation after rounding."""
+    scale groups: fp32 to fp32 rounding, bf16 as the torch computation after rounding (widths that are multiples of
+    64 take the bf16 dot products where the CPU has them)."""
     gen = torch.Generator().manual_seed(0)
-    E, L, F = 3, 96, 160
+    E = 3
     packed, scales = mx_experts(E, L, F, gen)
     counts = [1, 5, 11]
     x = torch.randn(sum(counts), L, generator=gen).to(dtype)
@@ -59,11 +61,17 @@ def test_host_kernel_decodes_every_code_and_the_extreme_scales():
     assert rel_err(y, kernel.rows_torch(x, job, [2], BETA, LINEAR_BETA, torch.float32)) < 1e-6
 
 
-def _tiered(packed, scales, slots, misses, wave=2):
+def _tiered(packed, scales, slots, misses, wave=2, device="cpu"):
+    device = torch.device(device)
     pw = PackedWeights(packed, scales)
-    tier = HostTier(torch.device("cpu"), [empty_experts(pw, wave, torch.device("cpu")) for _ in range(2)], misses)
+    if device.type == "cuda":  # the host tier pinned, as `tier_experts` makes it
+        pinned = empty_experts(pw, pw.num_experts, torch.device("cpu"), pin=True)
+        for a, b in zip((*pw.packed, *pw.scales), (*pinned.packed, *pinned.scales)):
+            b.copy_(a)
+        pw = pinned
+    tier = HostTier(device, [empty_experts(pw, wave, device) for _ in range(2)], misses)
     cache = ExpertCache(pw.num_experts, slots)
-    w = TieredWeights(pw, empty_experts(pw, slots, torch.device("cpu")), cache, tier)
+    w = TieredWeights(pw, empty_experts(pw, slots, device), cache, tier)
     for s, e in enumerate(range(slots)):
         tier.copy(pw, e, w.slots, s)
         cache.place(e, s)
@@ -137,3 +145,56 @@ def test_triton_rows_skip_experts_past_the_last_and_write_into_out():
     triton_mxfp4.rows(z, skip, packed, scales, BETA, LINEAR_BETA, rows_per_expert=N * A / E, out=out)
     kept = (skip == E).reshape(-1)
     assert kept.any() and torch.equal(out[~kept], full[~kept]) and (out[kept] == 7.0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("misses", ["copy", "host"])
+def test_tiers_on_the_gpu_equal_the_resident_triton_layer_gpu(misses):
+    """K3's expert widths, 32 experts, bf16 on the GPU: copied misses (slots, staging waves on the copy stream,
+    promotions) give the resident Triton layer's output bit for bit, step after step; host misses agree to bf16
+    rounding."""
+    from kimik3.ops.backend import use_backend
+
+    gen = torch.Generator().manual_seed(11)
+    E, L, F, A = 32, 3584, 3072, 16
+    packed, scales = mx_experts(E, L, F, gen)
+    gpu = PackedWeights(tuple(t.cuda() for t in packed), tuple(t.cuda() for t in scales))
+    w = _tiered(packed, scales, 6, misses, wave=4, device="cuda")
+    for N in (1, 8, 1, 300, 2):
+        z = torch.randn(N, L, generator=gen).bfloat16().cuda()
+        idx, tw = (t.cuda() for t in routing(N, A, E, gen))
+        out = routed_experts(z, idx, tw, w, BETA, LINEAR_BETA)
+        with use_backend(moe="triton"):
+            ref = routed_experts(z, idx, tw, gpu, BETA, LINEAR_BETA)
+        if misses == "copy":
+            assert torch.equal(out, ref), N
+        else:
+            assert rel_err(out.float(), ref.float()) < 1e-2, N
+    assert w.tier.counters["hits"] > 0 and w.tier.copy_stream is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_tiered_model_decodes_in_graphs_cut_at_its_tiered_layers_gpu():
+    """Graphed decode steps of a tiered model (each tiered layer a hole between the step's graphs) give the eager
+    steps' greedy tokens, bf16, several sequences, misses copied and computed on the host."""
+    from kimik3.inference import SamplingParams
+    from kimik3.inference.engine import EngineConfig
+    from kimik3.inference.generate import generate
+    from kimik3.model import K3ForCausalLM
+    from kimik3.placement import fill_slots, tier_experts
+    from kimik3.presets import load_config
+    from kimik3.quant import pack_experts
+
+    prompts = [[3, 5, 7, 11, 13], [17, 19], [23, 29, 31]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    for misses in ("copy", "host"):
+        model = pack_experts(K3ForCausalLM(load_config("tiny").text, torch.bfloat16).init_weights(0)).cuda().eval()
+        tier_experts(model, 1, "cuda", misses=misses)
+        fill_slots(model)
+        with torch.no_grad():
+            eager = [c.token_ids for c in generate(model, prompts, greedy, config=EngineConfig(
+                max_num_seqs=4, use_cuda_graphs=False))]
+            graphed = [c.token_ids for c in generate(model, prompts, greedy, config=EngineConfig(max_num_seqs=4))]
+        assert graphed == eager, misses

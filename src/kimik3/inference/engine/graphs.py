@@ -25,6 +25,7 @@ from kimik3.inference.engine.scheduler import Chunk
 from kimik3.inference.spec.taps import tapped
 from kimik3.model.state import KDAView, StatePool
 from kimik3.model.step import uniform_step
+from kimik3.ops.moe.tiered import graph_holes
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_SPAN_BLOCKS = 16  # the smallest key span a graph is captured for (1,024 tokens in blocks of 64)
@@ -88,19 +89,45 @@ class VerifyBuffers:
         return [tuple(t[:rows] for t in layer) for layer in self.buffers]
 
 
+class Pieces:
+    """A call captured as CUDA graphs cut where host-side work must run (tiered experts: `graph_holes`): replaying
+    it replays each graph in order with its hole's work between. Without holes: one graph."""
+
+    def __init__(self, handle):
+        self.handle, self.graphs, self.holes = handle, [], []
+
+    def begin(self) -> None:
+        self.graphs.append(torch.cuda.CUDAGraph())
+        self.graphs[-1].capture_begin(pool=self.handle)
+
+    def end(self) -> None:
+        self.graphs[-1].capture_end()
+
+    def replay(self) -> None:
+        for i, graph in enumerate(self.graphs):
+            graph.replay()
+            if i < len(self.holes):
+                self.holes[i]()
+
+
 def capture(fn: Callable[[], object], handle, warmups: int):
-    """fn() run `warmups` times on a side stream, outside any graph, then captured into a CUDA graph in the memory
-    pool `handle`: (the graph, what the captured call returned: tensors each replay refills)."""
+    """fn() run `warmups` times on a side stream, outside any graph, then captured (in pieces, where tiered experts
+    cut it) into CUDA graphs in the memory pool `handle`: (the `Pieces`, what the captured call returned: tensors
+    each replay refills)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.no_grad():
         for _ in range(warmups):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=handle), torch.no_grad():
+    torch.cuda.synchronize()
+    pieces = Pieces(handle)
+    with torch.cuda.stream(torch.cuda.Stream()), torch.no_grad(), graph_holes(pieces) as holes:
+        pieces.begin()
         out = fn()
-    return graph, out
+        pieces.end()
+    pieces.holes = holes
+    return pieces, out
 
 
 class StepGraph:

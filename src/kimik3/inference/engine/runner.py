@@ -30,7 +30,7 @@ from kimik3.inference.engine.sampler import to_device
 from kimik3.inference.engine.scheduler import Chunk
 from kimik3.inference.spec.taps import stack_taps, tapped
 from kimik3.lora.serving import ServedAdapters
-from kimik3.model.moe import TieredExperts, warm_experts
+from kimik3.model.moe import warm_experts
 from kimik3.model.state import KDAView, StatePool
 from kimik3.model.step import build_step
 
@@ -72,15 +72,10 @@ class ModelRunner:
         self.model, self.pool, self.max_blocks, self.adapters = model, pool, max_blocks, adapters
         self.taps = taps
         self.device = next(model.parameters()).device
-        tiered = any(isinstance(m, TieredExperts) for m in model.modules())
         if use_cuda_graphs is None:  # on CUDA in 16-bit: fp32 routed experts run the reference loop, which reads
-            # expert counts on the host and so cannot be captured; nor can adapters' per-row updates, nor tiered
-            # experts (each layer reads its routing on the host to find its misses)
-            use_cuda_graphs = (self.device.type == "cuda" and pool.dtype != torch.float32 and adapters is None
-                               and not tiered)
-        elif use_cuda_graphs and tiered and self.device.type == "cuda":
-            raise ValueError("use_cuda_graphs with tiered experts (cpu_offload_gb): each MoE layer reads its routing "
-                             "on the host, so their steps run eagerly; leave use_cuda_graphs unset")
+            # expert counts on the host and so cannot be captured; nor can adapters' per-row updates (tiered experts
+            # can: each tiered layer is a hole between the graphs of a step, `graphs.Pieces`)
+            use_cuda_graphs = self.device.type == "cuda" and pool.dtype != torch.float32 and adapters is None
         self.table = BlockTable(pool, max_blocks)
         self.sizes = sorted({n for n in GRAPH_BUCKETS if n < max_num_seqs} | {max_num_seqs})
         self.verify_len = verify_len

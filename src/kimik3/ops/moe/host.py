@@ -68,6 +68,7 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(so))
     lib.k3_threads.argtypes, lib.k3_threads.restype = [ctypes.c_int], ctypes.c_int
     lib.k3_has_avx512.restype = ctypes.c_int
+    lib.k3_has_bf16_pairs.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.k3_expert_rows.argtypes = [i64, p, p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     lib.k3_expert_rows.restype = None
@@ -91,6 +92,13 @@ def interleave(x: Tensor) -> Tensor:
     return x.reshape(R, K // 32, 16, 2).transpose(-1, -2).reshape(R, K)
 
 
+def pair_interleave(x: Tensor) -> Tensor:
+    """[R, K] -> [R, K]: per two 32-column groups their 32 even columns, then their 32 odd ones (the kernel's bf16
+    layout; K a multiple of 64)."""
+    R, K = x.shape
+    return x.reshape(R, K // 64, 2, 16, 2).permute(0, 1, 4, 2, 3).reshape(R, K)
+
+
 def expert_rows(x: Tensor, weights: list[ExpertTensors], counts: list[int], beta: float, linear_beta: float,
                 dtype: torch.dtype) -> Tensor:
     """y [R, L] in `dtype`: the rows x [R, L] (host memory, any float dtype; job j's rows follow job j-1's) through
@@ -101,15 +109,18 @@ def expert_rows(x: Tensor, weights: list[ExpertTensors], counts: list[int], beta
         return rows_torch(x, weights, counts, beta, linear_beta, dtype)
     R, L = x.shape
     F = weights[0][0].shape[0]
-    xi = interleave(x.float()).contiguous()
-    h = torch.empty(R, F, dtype=torch.float32)
+    pairs = dtype == torch.bfloat16 and L % 64 == 0 and F % 64 == 0 and lib.k3_has_bf16_pairs()
+    if pairs:
+        xi, h, mode = pair_interleave(x.bfloat16()).contiguous(), torch.empty(R, F, dtype=torch.bfloat16), 2
+    else:
+        xi, h, mode = interleave(x.float()).contiguous(), torch.empty(R, F), int(dtype == torch.bfloat16)
     y = torch.empty(R, L, dtype=torch.float32)
     addr = torch.tensor([[t.data_ptr() for t in w] for w in weights], dtype=torch.int64)
     rows = torch.zeros(len(counts) + 1, dtype=torch.int32)
     rows[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
     assert all(t.is_contiguous() and t.device.type == "cpu" for w in weights for t in w) and int(rows[-1]) == R
     lib.k3_expert_rows(len(weights), addr.data_ptr(), rows.data_ptr(), xi.data_ptr(), h.data_ptr(), y.data_ptr(),
-                       L, F, beta, linear_beta, int(dtype == torch.bfloat16))
+                       L, F, beta, linear_beta, mode)
     return y.to(dtype)
 
 
