@@ -68,6 +68,28 @@ def test_k3_plan_by_hand():
     assert not plan_experts(cfg, 0).tiered and not plan_experts(cfg, None).tiered
 
 
+def test_k3_tier_plan_on_eight_h200_by_hand():
+    """`kimik3 memory k3 --gpus 8`: 112 experts a device; the trunk's 114.4 GB over 8; at batch 1 a layer touches
+    112 x 16 / 896 = 2 of a device's experts, 31 of whose 112 miss: 92 x 2 x 31/112 x 17,547,264 bytes = 0.8936 GB
+    a step, read by the host's cores at 96 / 8 GB/s a device."""
+    from kimik3.inference.memory import tier_plan
+
+    t = tier_plan(load_config("k3"), 8, 141 * GIB, 2048 * GIB, 32768, 1, 55.4e9, 96e9, 4250e9)
+    assert t.plan.num_experts == 112 and t.plan.slots == 81
+    assert t.host_needed == 92 * 896 * 17_547_264
+    assert t.missed_bytes == pytest.approx(92 * 2 * 31 / 112 * 17_547_264)
+    assert t.miss_seconds == pytest.approx(t.missed_bytes / 12e9)
+    assert t.trunk * 8 + 92 * 896 * 17_547_264 <= 1_560_860_324_864 < (t.trunk + 1) * 8 + 92 * 896 * 17_547_264
+
+
+def test_the_planner_prints_the_plan():
+    out = subprocess.run([sys.executable, "-m", "kimik3", "memory", "k3", "--gpus", "8", "--json"],
+                         capture_output=True, text=True)
+    data = json.loads(out.stdout)
+    assert out.returncode == 0 and data["experts_per_layer_on_device"] == 81 and data["tiered"]
+    assert 10 < data["decode_tokens_per_s"] < 15
+
+
 @pytest.mark.parametrize("value, message", [
     (-1, "cpu_offload_gb must be a number of GiB >= 0 or 'auto', got -1"),
     ("lots", "cpu_offload_gb must be a number of GiB >= 0 or 'auto', got 'lots'"),

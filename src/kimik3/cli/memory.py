@@ -12,6 +12,16 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=131072, help="tokens per sequence (default 131072)")
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    t = p.add_argument_group("expert tiering plan (docs/tiering.md): given --gpus, where the bytes go")
+    t.add_argument("--gpus", type=int, default=None,
+                   help="devices (the trunk tensor-parallel, the experts expert-parallel)")
+    t.add_argument("--gpu-gib", type=float, default=141.0, help="memory of one device (default 141: an H200)")
+    t.add_argument("--host-gib", type=float, default=2048.0, help="host memory (default 2048)")
+    t.add_argument("--link-gbps", type=float, default=55.4,
+                   help="host->device copy GB/s of one device (default 55.4: pinned, measured on an H200 machine)")
+    t.add_argument("--host-gbps", type=float, default=96.0,
+                   help="GB/s the host's cores read experts at (default 96: 16 Xeon cores, measured)")
+    t.add_argument("--hbm-gbps", type=float, default=4250.0, help="device memory GB/s (default 4250: H200, measured)")
     p.set_defaults(run=run)
 
 
@@ -27,6 +37,8 @@ def run(args) -> int:
     from kimik3.presets import load_config
 
     cfg = load_config(args.config)
+    if args.gpus is not None:
+        return _plan(cfg, args)
     r = memory_report(cfg, args.context, args.batch)
     positions = cfg.text.max_position_embeddings
     if positions is not None and args.context > positions:
@@ -45,4 +57,41 @@ def run(args) -> int:
     for name, n in rows:
         table.add_row(name, f"{n:,}", _gib(n))
     Console().print(table)
+    return 0
+
+
+def _plan(cfg, args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kimik3.inference.memory import tier_plan
+
+    g = 1e9
+    t = tier_plan(cfg, args.gpus, int(args.gpu_gib * 2**30), int(args.host_gib * 2**30), args.context, args.batch,
+                  args.link_gbps * g, args.host_gbps * g, args.hbm_gbps * g)
+    p = t.plan
+    rows = [("device: trunk (every weight but the routed experts)", t.trunk),
+            (f"device: KDA state + MLA cache ({t.batch} x {t.context:,} tokens)", t.state),
+            ("device: workspace", t.workspace),
+            (f"device: expert cache, {p.slots} of {p.num_experts} experts a layer x {p.moe_layers} + staging",
+             p.device_bytes),
+            (f"host: routed experts of all {t.gpus} devices" if p.tiered else "host: nothing (every expert fits)",
+             t.host_needed)]
+    summary = {"experts_per_layer_on_device": p.slots, "experts_per_layer": p.num_experts, "tiered": p.tiered,
+               "uniform_hit_rate": p.uniform_hit_rate, "missed_bytes_per_step": t.missed_bytes,
+               "hbm_ms": t.hbm_seconds * 1e3, "miss_ms": t.miss_seconds * 1e3, "decode_tokens_per_s": t.tokens_per_s}
+    if args.json:
+        print(json.dumps({**{name: n for name, n in rows}, **summary}, indent=2))
+        return 0
+    table = Table(title=f"expert tiering: {t.gpus} x {args.gpu_gib:g} GiB devices, {args.host_gib:g} GiB host")
+    table.add_column("where")
+    table.add_column("bytes", justify="right")
+    table.add_column("", justify="right")
+    for name, n in rows:
+        table.add_row(name, f"{n:,}", _gib(n))
+    Console().print(table)
+    print(f"hit rate under uniform routing: {p.uniform_hit_rate:.1%}; decode at batch {t.batch}: "
+          f"{t.missed_bytes / 1e9:.2f} GB of misses a step and device ({t.miss_seconds * 1e3:.1f} ms at "
+          f"{args.link_gbps:g} GB/s link / {args.host_gbps:g} GB/s host), {t.hbm_seconds * 1e3:.1f} ms of device "
+          f"reads: at most {t.tokens_per_s:.1f} tokens/s")
     return 0

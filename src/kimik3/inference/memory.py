@@ -45,3 +45,62 @@ def memory_report(cfg: K3Config, context: int, batch: int, dtype: torch.dtype | 
     weights = sum(t.nbytes for t in model.state_dict().values())
     return MemoryReport(weights, one["kda_state_per_sequence"] + one["kda_conv_per_sequence"],
                         one["mla_latent_per_token"], batch, context)
+
+
+@dataclass
+class TierPlan:
+    """Where K3's bytes go on `gpus` devices of `gpu_bytes` with `host_bytes` of host memory, and what decode can
+    reach: the dense trunk and the state split over the devices (tensor parallel), the routed experts split over
+    them (expert parallel), each device caching what its budget holds (`kimik3.placement.plan_experts`)."""
+    gpus: int
+    batch: int
+    context: int
+    trunk: int  # per device: every weight but the routed experts
+    state: int  # per device: KDA state and MLA cache of `batch` sequences of `context` tokens
+    workspace: int
+    plan: object  # kimik3.placement.ExpertPlan, per device
+    host_needed: int  # all devices' host tiers
+    host_bytes: int
+    missed_bytes: float  # per decode step and device, expected under uniform routing
+    hbm_seconds: float  # per decode step: what a device reads from its memory
+    miss_seconds: float  # per decode step: the misses at the faster of the link and the host's cores (per device)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / (self.hbm_seconds + self.miss_seconds)
+
+
+def tier_plan(cfg: K3Config, gpus: int, gpu_bytes: int, host_bytes: int, context: int, batch: int,
+              link_bytes_per_s: float, host_read_bytes_per_s: float, hbm_bytes_per_s: float) -> TierPlan:
+    """The placement `kimik3 memory --gpus ...` prints (see `TierPlan`). Rates: one device's host->device copy
+    rate, the host's read rate over all its cores (shared by the devices), one device's memory read rate.
+
+    Raises:
+        ValueError: bad counts, or devices too small for the trunk and state (nothing left for experts).
+    """
+    from kimik3.placement import WORKSPACE, expert_bytes, plan_experts
+
+    if gpus < 1 or gpu_bytes <= 0 or host_bytes < 0:
+        raise ValueError(f"need gpus >= 1 and gpu memory > 0 (got {gpus} and {gpu_bytes / 2**30:g} GiB)")
+    r = memory_report(cfg, context, batch)
+    m, t = cfg.text.moe, cfg.text
+    layers, eb = sum(t.moe_layers), expert_bytes(t)
+    if m.num_experts % gpus:
+        raise ValueError(f"{m.num_experts} experts do not split over {gpus} devices")
+    local = m.num_experts // gpus
+    trunk = (r.weights - layers * m.num_experts * eb) // gpus
+    state = (r.kda_state + r.mla_cache) // gpus
+    free = gpu_bytes - trunk - state - WORKSPACE
+    if free <= 0:
+        raise ValueError(f"{gpus} x {gpu_bytes / 2**30:g} GiB: the trunk ({trunk / 2**30:.1f} GiB a device) and the "
+                         f"state ({state / 2**30:.1f} GiB) leave no room for experts")
+    plan = plan_experts(t, "auto", num_experts=local, free_bytes=gpu_bytes, other_bytes=trunk + state,
+                        host_bytes=host_bytes // gpus)
+    touched = local * (1 - (1 - m.num_experts_per_token / m.num_experts) ** batch)  # distinct a layer and step
+    missed = layers * touched * (1 - plan.slots / local) * eb
+    copy = min(link_bytes_per_s, host_read_bytes_per_s / gpus)  # a copy reads host memory too
+    compute = host_read_bytes_per_s / gpus  # the host's cores, shared by the devices' misses
+    rate = max(copy, compute)
+    resident_read = trunk + layers * touched * (plan.slots / local) * eb + state
+    return TierPlan(gpus, batch, context, trunk, state, WORKSPACE, plan, gpus * plan.host_bytes, host_bytes,
+                    missed, resident_read / hbm_bytes_per_s, missed / rate)
