@@ -11,7 +11,8 @@ import warnings
 
 ENGINE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
                 "max_model_len": "--max-model-len", "prefix_cache_bytes": "--prefix-cache-bytes",
-                "cpu_offload_gb": "--cpu-offload-gb", "expert_trace": "--expert-trace"}
+                "cpu_offload_gb": "--cpu-offload-gb", "expert_trace": "--expert-trace",
+                "expert_misses": "--expert-misses"}
 SPECULATIVE_FLAGS = {"method": "--speculative-method", "model": "--speculative-model",
                      "num_speculative_tokens": "--num-speculative-tokens"}
 
@@ -43,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: str = "64", war
     g.add_argument("--expert-trace", metavar="FILE", default=None,
                    help="with --cpu-offload-gb: the experts' counted routing, read at start when the file exists "
                         "(the cache starts warm) and written at exit")
+    g.add_argument("--expert-misses", choices=("auto", "host", "copy"), default=None,
+                   help="with --cpu-offload-gb: experts not in the GPU cache computed on the host's cores or copied "
+                        "to the GPU (copy: greedy tokens equal the all-resident model's bit for bit, in bf16 too); "
+                        "auto (default): the cheaper by measured cost, each step")
     g.add_argument("--speculative-method", choices=("suffix", "draft"), default=None,
                    help="speculative decoding: suffix (model-free, copies from the prompt and output) or draft "
                         "(a DSpark-style drafter, --speculative-model); the same output (greedy: the same tokens in "
@@ -94,12 +99,13 @@ def engine_config(args, base, positions: int | None = None):
     if args.no_prefix_cache and args.prefix_cache_bytes is not None:
         raise ValueError("--prefix-cache-bytes sizes the prefix cache that --no-prefix-cache turns off: give one")
     offload, trace = getattr(args, "cpu_offload_gb", None), getattr(args, "expert_trace", None)
-    if trace is not None and offload is None:
-        raise ValueError("--expert-trace records the routing of tiered experts: it needs --cpu-offload-gb")
+    misses = getattr(args, "expert_misses", None)
+    if (trace is not None or misses is not None) and offload is None:
+        raise ValueError("--expert-trace and --expert-misses are about tiered experts: they need --cpu-offload-gb")
     given = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                ("max_num_batched_tokens", args.max_num_batched_tokens),
                                ("max_model_len", limit), ("prefix_cache_bytes", args.prefix_cache_bytes),
-                               ("cpu_offload_gb", offload), ("expert_trace", trace))
+                               ("cpu_offload_gb", offload), ("expert_trace", trace), ("expert_misses", misses))
              if v is not None}
     if args.no_prefix_cache or args.prefix_cache_bytes is not None:
         given["enable_prefix_cache"] = not args.no_prefix_cache

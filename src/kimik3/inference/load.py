@@ -60,7 +60,7 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
     tiers = {}
     if cfg.cpu_offload_gb is not None:
         tiers = dict(cpu_offload_gb=cfg.cpu_offload_gb, expert_trace=cfg.expert_trace,
-                     offload_reserve_bytes=offload_reserve(path, cfg))
+                     expert_misses=cfg.expert_misses, offload_reserve_bytes=offload_reserve(path, cfg))
     model = (loader or kimik3.load)(path, dtype=dtype, device=device, text_only=text_only, quiet=quiet,
                                     keep_experts_packed=packed, **tiers)
     if cfg.expert_trace is not None and tiered_layers(model):

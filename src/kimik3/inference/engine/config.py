@@ -73,6 +73,9 @@ class EngineConfig:
             loads (`load_engine`): a tiered model's steps run eagerly (each MoE layer reads its routing on the host).
         expert_trace: a JSON file of the tiered layers' counted routing, read at load when it exists (the cache
             starts warm) and written when the process exits.
+        expert_misses: how a tiered layer serves the experts it misses: "auto" (per step, the cheaper by measured
+            cost), "host" (computed on the host's cores) or "copy" (copied to the device and computed there: every
+            row bit for bit the all-resident model's, so greedy tokens equal it in bf16 too).
     """
 
     max_num_seqs: int = 64
@@ -89,6 +92,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     cpu_offload_gb: float | str | None = None
     expert_trace: str | None = None
+    expert_misses: str = "auto"
 
     def __post_init__(self) -> None:
         def whole(v) -> bool:
@@ -112,6 +116,7 @@ class EngineConfig:
             ("cpu_offload_gb", self.cpu_offload_gb in (None, "auto") or (
                 isinstance(self.cpu_offload_gb, (int, float)) and not isinstance(self.cpu_offload_gb, bool)
                 and math.isfinite(self.cpu_offload_gb) and self.cpu_offload_gb >= 0), "a number of GiB >= 0 or 'auto'"),
+            ("expert_misses", self.expert_misses in ("auto", "host", "copy"), "'auto', 'host' or 'copy'"),
         )
         for name, ok, want in checks:
             if not ok:

@@ -85,9 +85,11 @@ class HostTier:
     misses: str = "auto"
     link_bytes_per_s: float | None = None  # host -> device copy, measured on first use
     host_seconds: tuple[float, float] | None = None  # host kernel per expert at 1 and at 8 rows
-    # hits / misses: routed rows; missed_experts: distinct per layer and step, over `steps` layer-steps
+    # hits / misses: routed rows; missed_experts: distinct per layer and step, over `steps` layer-steps; seconds:
+    # wall time in the tiered layers (from the routing read to the combine launched) and in the host kernel
     counters: dict = field(default_factory=lambda: dict(hits=0, misses=0, bytes_copied=0, host_rows=0,
-                                                        missed_experts=0, steps=0))
+                                                        missed_experts=0, steps=0, layer_seconds=0.0,
+                                                        host_seconds=0.0))
 
     def __post_init__(self):
         if self.misses not in MISSES:
@@ -197,6 +199,7 @@ class TieredWeights:
             tier.calibrate(self.host, beta, linear_beta, z.dtype)
         tier.settle(cache)
         idx = topk_idx.cpu().numpy()  # waits for the router: which experts this step needs
+        start = time.perf_counter()
         experts, counts = np.unique(idx, return_counts=True)
         hits, misses = cache.observe(experts, counts)
         tier.counters["hits"] += hits
@@ -242,8 +245,11 @@ class TieredWeights:
         if fast:
             from kimik3.ops.moe.combine import slot_sum
 
-            return slot_sum(y, topk_weight)
-        return reference.combine(y, topk_idx, topk_weight)
+            out = slot_sum(y, topk_weight)
+        else:
+            out = reference.combine(y, topk_idx, topk_weight)
+        tier.counters["layer_seconds"] += time.perf_counter() - start
+        return out
 
     def _stream(self, missed: np.ndarray, rows) -> None:
         """The misses no slot takes, through the staging slots W at a time: wave k+1's copy (copy stream) overlaps
@@ -283,8 +289,10 @@ class TieredWeights:
         experts, counts = np.unique(flat[pos], return_counts=True)
         A = idx.shape[1]
         x = z_host[torch.from_numpy(pos // A)]
+        start = time.perf_counter()
         out = kernel.expert_rows(x, [_tensors(self.host, int(e)) for e in experts], counts.tolist(), beta,
                                  linear_beta, y.dtype)
+        self.tier.counters["host_seconds"] += time.perf_counter() - start
         y[torch.from_numpy(pos).to(y.device)] = out.to(y.device, non_blocking=True)
         self.tier.counters["host_rows"] += len(pos)
 
