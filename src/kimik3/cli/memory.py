@@ -17,10 +17,15 @@ def add_parser(sub) -> None:
                    help="devices (the trunk tensor-parallel, the experts expert-parallel)")
     t.add_argument("--gpu-gib", type=float, default=141.0, help="memory of one device (default 141: an H200)")
     t.add_argument("--host-gib", type=float, default=2048.0, help="host memory (default 2048)")
-    t.add_argument("--link-gbps", type=float, default=55.4,
-                   help="host->device copy GB/s of one device (default 55.4: pinned, measured on an H200 machine)")
+    t.add_argument("--link-gbps", type=float, default=52.2,
+                   help="host->device copy GB/s of one device (default 52.2: pinned experts, measured on an H200 "
+                        "machine in kimik3's calibration)")
     t.add_argument("--host-gbps", type=float, default=96.0,
-                   help="GB/s the host's cores read experts at (default 96: 16 Xeon cores, measured)")
+                   help="host memory read GB/s, shared by copies and the host kernel (default 96: the H200 "
+                        "machine's 16 Xeon cores, measured)")
+    t.add_argument("--host-kernel-gbps", type=float, default=15.8,
+                   help="GB/s of experts the host kernel computes through on all cores (default 15.8: measured "
+                        "during decode on the H200 machine)")
     t.add_argument("--hbm-gbps", type=float, default=4250.0, help="device memory GB/s (default 4250: H200, measured)")
     p.set_defaults(run=run)
 
@@ -68,7 +73,7 @@ def _plan(cfg, args) -> int:
 
     g = 1e9
     t = tier_plan(cfg, args.gpus, int(args.gpu_gib * 2**30), int(args.host_gib * 2**30), args.context, args.batch,
-                  args.link_gbps * g, args.host_gbps * g, args.hbm_gbps * g)
+                  args.link_gbps * g, args.host_gbps * g, args.host_kernel_gbps * g, args.hbm_gbps * g)
     p = t.plan
     rows = [("device: trunk (every weight but the routed experts)", t.trunk),
             (f"device: KDA state + MLA cache ({t.batch} x {t.context:,} tokens)", t.state),
@@ -92,6 +97,7 @@ def _plan(cfg, args) -> int:
     Console().print(table)
     print(f"hit rate under uniform routing: {p.uniform_hit_rate:.1%}; decode at batch {t.batch}: "
           f"{t.missed_bytes / 1e9:.2f} GB of misses a step and device ({t.miss_seconds * 1e3:.1f} ms at "
-          f"{args.link_gbps:g} GB/s link / {args.host_gbps:g} GB/s host), {t.hbm_seconds * 1e3:.1f} ms of device "
+          f"{args.link_gbps:g} GB/s link, {args.host_gbps:g} GB/s host memory, {args.host_kernel_gbps:g} GB/s host "
+          f"kernel), {t.hbm_seconds * 1e3:.1f} ms of device "
           f"reads: at most {t.tokens_per_s:.1f} tokens/s")
     return 0

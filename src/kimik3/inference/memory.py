@@ -63,7 +63,7 @@ class TierPlan:
     host_bytes: int
     missed_bytes: float  # per decode step and device, expected under uniform routing
     hbm_seconds: float  # per decode step: what a device reads from its memory
-    miss_seconds: float  # per decode step: the misses at the faster of the link and the host's cores (per device)
+    miss_seconds: float  # per decode step: the misses copied or computed on the host, the faster (per device)
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,9 +71,11 @@ class TierPlan:
 
 
 def tier_plan(cfg: K3Config, gpus: int, gpu_bytes: int, host_bytes: int, context: int, batch: int,
-              link_bytes_per_s: float, host_read_bytes_per_s: float, hbm_bytes_per_s: float) -> TierPlan:
+              link_bytes_per_s: float, host_read_bytes_per_s: float, host_kernel_bytes_per_s: float,
+              hbm_bytes_per_s: float) -> TierPlan:
     """The placement `kimik3 memory --gpus ...` prints (see `TierPlan`). Rates: one device's host->device copy
-    rate, the host's read rate over all its cores (shared by the devices), one device's memory read rate.
+    rate, the host memory's read rate (shared by the devices' copies and the host kernel), the host kernel's rate
+    over all the host's cores, one device's memory read rate.
 
     Raises:
         ValueError: bad counts, or devices too small for the trunk and state (nothing left for experts).
@@ -99,7 +101,7 @@ def tier_plan(cfg: K3Config, gpus: int, gpu_bytes: int, host_bytes: int, context
     touched = local * (1 - (1 - m.num_experts_per_token / m.num_experts) ** batch)  # distinct a layer and step
     missed = layers * touched * (1 - plan.slots / local) * eb
     copy = min(link_bytes_per_s, host_read_bytes_per_s / gpus)  # a copy reads host memory too
-    compute = host_read_bytes_per_s / gpus  # the host's cores, shared by the devices' misses
+    compute = min(host_kernel_bytes_per_s, host_read_bytes_per_s) / gpus  # the host's cores, shared by the devices
     rate = max(copy, compute)
     resident_read = trunk + layers * touched * (plan.slots / local) * eb + state
     return TierPlan(gpus, batch, context, trunk, state, WORKSPACE, plan, gpus * plan.host_bytes, host_bytes,
