@@ -76,7 +76,7 @@ def test_pyproject_declares_package_data_extras_and_tomli():
 
 def test_cuda_kda_without_fla_names_the_gpu_extra(monkeypatch):
     # as on a CUDA tensor with fla-core absent: an error naming the extra, never a silent fall back to the reference
-    monkeypatch.setattr(kda, "use_fast", lambda t: True)
+    monkeypatch.setattr(kda, "use_fast", lambda t, op: True)
     monkeypatch.setattr(kda, "has_fla", lambda: False)
     B, T, H, K = 1, 4, 2, 8
     q, k, v, g = (torch.randn(B, T, H, K) for _ in range(4))

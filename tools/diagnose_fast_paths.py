@@ -10,7 +10,6 @@ Not part of the package: a debugging aid for the GPU tests.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -36,10 +35,9 @@ def tiny_head64():
 
 
 def only(active: str | None):
-    """Switch each op family's `use_fast` so only `active` takes its CUDA path."""
-    for name in OPS:
-        mod = importlib.import_module(f"kimik3.ops.{name}")
-        mod.use_fast = (lambda n: lambda t: backend.use_fast(t) and n == active)(name)
+    """A block where, of OPS, only `active` (None: none) takes its CUDA path (the other ops as always)."""
+    off = {op: "torch" for op in OPS if op not in (active, "moe")}
+    return backend.use_backend(moe=None if active == "moe" else "torch", **off)
 
 
 def forward_with_routes(model, ids):
@@ -74,17 +72,15 @@ def main(kda_only: bool = False) -> None:
         m = K3ForCausalLM(cfg, dtype)
         m.load_state_dict(src.state_dict())
         m = m.to(DEV).eval()
-        only(None)
-        ref, ref_routes = forward_with_routes(m, ids)
+        with only(None):
+            ref, ref_routes = forward_with_routes(m, ids)
         for op in OPS:
-            only(op)
-            out, routes = forward_with_routes(m, ids)
+            with only(op):
+                out, routes = forward_with_routes(m, ids)
             report(f"{op} {str(dtype)[6:]}", out, ref, routes, ref_routes)
-        only(None)
     # the KDA op alone, fla vs reference: forward, final state and every gradient, over head counts and dims;
     # first the shape of tests/ops/test_kda_fast.py::test_chunk_kda_gradients
     # (bf16, B=1, T=130, H=2, K=128, initial state)
-    only("kda")
     bf, f32 = torch.bfloat16, torch.float32
     for dtype, B, T, H, K, h0, dht in (
             (bf, 1, 130, 2, 128, True, True), (bf, 1, 130, 2, 128, False, True), (bf, 1, 130, 2, 128, True, False),

@@ -1,1 +1,2 @@
-"""Compute ops: reference PyTorch implementations with room for fused GPU backends."""
+"""Compute ops: each a package with one public function (its fast GPU paths dispatched inside, `backend`) and its
+pure-PyTorch reference beside it."""

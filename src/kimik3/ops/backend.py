@@ -1,10 +1,14 @@
 """Which implementation an op runs: the fast GPU path on CUDA tensors, the pure-torch reference elsewhere.
 
-Tests (and curious users) force the reference on a GPU with `with use_backend("torch"): ...`. Per-op switches
-ride along: `use_backend(moe="triton")` picks the W4A16 MoE kernels (see `kimik3.ops.moe`). Each choice is
-a context variable, not module state: it is scoped to the `with` block and to the current thread/task, and a
-hot path reads it without touching the environment. The CLI reads KIMIK3_MOE_BACKEND once
-(`moe_backend_from_env`) and runs the command inside `use_backend(moe=...)`.
+Tests (and curious users) force the reference on a GPU with `with use_backend("torch"): ...`, or one op's with
+`use_backend(rmsnorm="torch")` (any op package of `kimik3.ops`: OPS); `use_backend(moe="triton")` picks the
+W4A16 MoE kernels (see `kimik3.ops.moe`; "torch" for the reference). Each choice is a context variable, not
+module state: it is scoped to the `with` block and to the current thread/task, and a hot path reads it without
+touching the environment. The CLI reads KIMIK3_MOE_BACKEND once (`moe_backend_from_env`) and runs the command
+inside `use_backend(moe=...)`.
+
+One rule for a fast path's missing dependency: on CUDA it is an error that says what to install (or how to force
+the reference), never a silent fall back to a reference that can be orders of magnitude slower (`require`).
 """
 
 from __future__ import annotations
@@ -19,15 +23,28 @@ from functools import cache
 from torch import Tensor
 
 BACKENDS = ("auto", "torch")
-MOE_BACKENDS = ("auto", "triton", "humming")  # W4A16 MoE kernels on CUDA (kimik3.ops.moe says what each does)
+MOE_BACKENDS = ("auto", "triton", "humming", "torch")  # W4A16 MoE kernels on CUDA (kimik3.ops.moe says each)
 MOE_ENV = "KIMIK3_MOE_BACKEND"
+OPS = ("attnres", "kda", "lora", "mla", "mxfp4", "optim", "rmsnorm", "router", "shortconv", "situ", "vision_attn")
 _backend: ContextVar[str] = ContextVar("kimik3_backend", default="auto")
 _moe_backend: ContextVar[str] = ContextVar("kimik3_moe_backend", default="auto")
+_op_backends: ContextVar[dict[str, str] | None] = ContextVar("kimik3_op_backends", default=None)
 
 
-def use_fast(t: Tensor) -> bool:
-    """True when an op on `t` should take its fast path: a CUDA tensor and no "torch" override."""
-    return t.is_cuda and _backend.get() == "auto"
+def use_fast(t: Tensor, op: str) -> bool:
+    """True when op `op` (an OPS name, or "moe") on `t` should take its fast path: a CUDA tensor and no "torch"
+    override, for all ops or for this one."""
+    if not t.is_cuda or _backend.get() != "auto":
+        return False
+    return (_moe_backend.get() if op == "moe" else (_op_backends.get() or {}).get(op, "auto")) != "torch"
+
+
+def require(available: bool, what: str, install: str) -> None:
+    """The one rule for a missing fast-path dependency on CUDA: an ImportError naming it and the way out."""
+    if not available:
+        raise ImportError(f"{what} on CUDA runs {install}'s kernels, which are not installed: pip install "
+                          f"'kimik3[gpu]', or force the pure-torch reference with "
+                          "kimik3.ops.backend.use_backend('torch')")
 
 
 @cache
@@ -60,14 +77,20 @@ def moe_backend_from_env() -> str:
 
 
 @contextmanager
-def use_backend(name: str | None = None, *, moe: str | None = None) -> Iterator[None]:
-    """Run the block with `name` ("torch" = references everywhere, "auto" = fast paths on CUDA) and/or the MoE
-    kernels `moe` (one of MOE_BACKENDS); None leaves that choice as it is."""
+def use_backend(name: str | None = None, *, moe: str | None = None, **ops: str) -> Iterator[None]:
+    """Run the block with `name` ("torch" = references everywhere, "auto" = fast paths on CUDA), the MoE
+    kernels `moe` (one of MOE_BACKENDS) and/or, per op package of OPS, "auto" or "torch"; None leaves a choice as
+    it is."""
     if name is not None and name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if moe is not None and moe not in MOE_BACKENDS:
         raise ValueError(f"moe backend must be one of {MOE_BACKENDS}, got {moe!r}")
-    tokens = [(var, var.set(value)) for var, value in ((_backend, name), (_moe_backend, moe)) if value is not None]
+    for op, value in ops.items():
+        if op not in OPS or value not in BACKENDS:
+            raise ValueError(f"use_backend({op}={value!r}): ops are {OPS}, each 'auto' or 'torch'")
+    per_op = {**(_op_backends.get() or {}), **ops} if ops else None
+    tokens = [(var, var.set(value)) for var, value in ((_backend, name), (_moe_backend, moe), (_op_backends, per_op))
+              if value is not None]
     try:
         yield
     finally:

@@ -27,7 +27,7 @@ def attn_res_mix(blocks: Tensor, partial: Tensor, norm_weight: Tensor, proj_weig
     On CUDA tensors (unless `kimik3.ops.backend.use_backend("torch")` is active) this runs the fused Triton
     kernels of `.triton` (one read of the sources per pass, no fp32 copies); otherwise `.reference`.
     """
-    if use_fast(partial) and has_triton():
+    if use_fast(partial, "attnres") and has_triton():
         from kimik3.ops.attnres import triton as fast  # lazily: triton exists only on GPU machines
 
         return fast.attn_res_mix(blocks, partial, norm_weight, proj_weight, eps)

@@ -58,8 +58,8 @@ def default_config(M: int, backward: bool) -> Config:
     inside the 50 MB L2.
     """
     S = M + 1
-    if backward and S <= 5:  # measured on the H200 (bench_attnres.py sweep, N=8192): 0.244 vs 0.346 ms at M=1,
-        return Config(4096, 16, 2) if S <= 2 else Config(8192, 16, 1)  # 0.477 vs 0.604 ms at M=4
+    if backward and S <= 5:  # the fastest of bench_attnres.py's sweep (BENCHMARKS.md, code choices)
+        return Config(4096, 16, 2) if S <= 2 else Config(8192, 16, 1)
     if backward:
         return Config(1024, 4, max(2, min(8, 24 // (S + 1))))
     return Config(2048, 8, max(2, min(8, 18 // S)))

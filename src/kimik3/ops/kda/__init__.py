@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kimik3.ops.backend import has_fla, use_fast
+from kimik3.ops.backend import has_fla, require, use_fast
 
 from . import fla, reference
 from .reference import CHUNK_SIZE
@@ -108,7 +108,7 @@ def recurrent_kda_with_gate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
 def supports_checkpoints(v: Tensor) -> bool:
     """Whether `chunk_kda_with_gate_checkpoints` can run on tensors like `v` (the reference can; fla's
     kernels keep their chunk states internal, so on CUDA a serving engine snapshots at chunk ends only)."""
-    return not use_fast(v)
+    return not use_fast(v, "kda")
 
 
 def chunk_kda_with_gate_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor,
@@ -127,11 +127,8 @@ def chunk_kda_with_gate_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, 
 
 def _with_gate(fast, ref, q, k, v, g, beta, A_log, dt_bias, lower_bound, **kw):
     """fla's fused kernel on CUDA; elsewhere the activations in torch, then the reference delta rule."""
-    if use_fast(v):
-        if not has_fla():  # the reference is far slower on a GPU: never fall back to it silently
-            raise ImportError("KDA on CUDA runs fla-core's kernels, which are not installed: "
-                              "pip install 'kimik3[gpu]' (fla-core==0.6.0), or force the pure-torch reference "
-                              "with kimik3.ops.backend.use_backend('torch')")
+    if use_fast(v, "kda"):
+        require(has_fla(), "KDA", "fla-core")  # the reference is far slower on a GPU: never fall back silently
         return fast(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, **kw)
     q, k, g, beta = reference.gate_inputs(q, k, g, beta, A_log, dt_bias, lower_bound)
     return ref(q, k, v, g, beta, **kw)

@@ -38,7 +38,7 @@ def lora_delta(x: Tensor, adapter: Tensor, lora_a: Tensor, lora_b: Tensor, scale
     Returns:
         [N, O] in x.dtype: scale[k] * (x A_k^T) B_k^T for a row of adapter k, exactly 0 for a row of none.
     """
-    if use_fast(x) and x.dtype == torch.bfloat16:
+    if use_fast(x, "lora") and x.dtype == torch.bfloat16:
         from kimik3.ops.lora import grouped
 
         return grouped.lora_delta(x, adapter, lora_a, lora_b, scale)
@@ -57,7 +57,7 @@ class LoraWeights:
 
     def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
         args = (self.base.packed, self.base.scales, self.lora_a, self.lora_b, self.scale, beta, linear_beta)
-        if use_fast(z) and has_triton():
+        if use_fast(z, "lora") and has_triton():
             from kimik3.ops.lora import experts_grouped
 
             if experts_grouped.supports(z, self.lora_a):

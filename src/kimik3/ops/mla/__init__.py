@@ -28,7 +28,7 @@ def mla_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: 
     Returns:
         [B, T, H, V] in `q.dtype`.
     """
-    impl = fast.mla_attention if use_fast(q) else reference.mla_attention
+    impl = fast.mla_attention if use_fast(q, "mla") else reference.mla_attention
     return impl(q, k, v, scale=scale, cu_seqlens=cu_seqlens, mask=mask)
 
 
@@ -47,7 +47,7 @@ def mla_latent_attention(q: Tensor, latent: Tensor, kv_b_weight: Tensor, *, qk_n
     Returns:
         [B, T, H, V] in `q.dtype`; equal to expanded attention with K = [W_kb c ; k_r], V = W_vb c.
     """
-    impl = fast.mla_latent_attention if use_fast(q) else reference.mla_latent_attention
+    impl = fast.mla_latent_attention if use_fast(q, "mla") else reference.mla_latent_attention
     return impl(q, latent, kv_b_weight, qk_nope_head_dim=qk_nope_head_dim, scale=scale, mask=mask)
 
 
@@ -88,7 +88,7 @@ def paged_latent_attention(q_THK: Tensor, latent_pool_XC: Tensor, kv_b_weight: T
                          f"{list(seq_lens_N.shape)}")
     kwargs = dict(block_tables_NM=block_tables_NM, cu_seqlens_q=cu_seqlens_q, seq_lens_N=seq_lens_N,
                   block_size=block_size, qk_nope_head_dim=qk_nope_head_dim, scale=scale, max_seq_len=max_seq_len)
-    if use_fast(q_THK) and has_triton():
+    if use_fast(q_THK, "mla") and has_triton():
         from kimik3.ops.mla import paged_triton  # lazily: triton exists only on GPU machines
 
         return paged_triton.paged_latent_attention(q_THK, latent_pool_XC, kv_b_weight, **kwargs)

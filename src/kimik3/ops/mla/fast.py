@@ -21,9 +21,9 @@ def mla_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: 
     q_BHTK, k_BHSK, v_BHSV = (x.transpose(1, 2) for x in (q, k, v))
     if mask is not None:  # queries over a cache: the [B, T, S] mask broadcast over heads
         # the memory-efficient kernel, not the default cuDNN one: the engine's steps are ragged (sequences, rows
-        # and key span change every step) and cuDNN builds a plan at each new shape, up to 2.1 s on an H200 at
-        # K3's widths, on the requests' critical path; the efficient kernel's first call takes <= 10 ms
-        # (bench/bench_sdpa_shapes.py; flash takes no mask)
+        # and key span change every step) and cuDNN builds a plan at each new shape, seconds on the requests'
+        # critical path, where the efficient kernel's first call takes milliseconds (BENCHMARKS.md, "Measurements
+        # behind code choices"; flash takes no mask)
         with sdpa_kernel(MASKED_BACKENDS):
             o = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=mask[:, None], scale=scale)
         return o.transpose(1, 2)

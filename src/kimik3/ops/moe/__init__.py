@@ -83,7 +83,7 @@ class DenseWeights:
     w2: Tensor
 
     def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
-        if use_fast(z) and z.dtype == torch.bfloat16:
+        if use_fast(z, "moe") and z.dtype == torch.bfloat16:
             from kimik3.ops.moe import grouped
 
             return grouped.routed_experts(z, topk_idx, topk_weight, self.w1, self.w3, self.w2, beta, linear_beta)
@@ -103,7 +103,7 @@ class PackedWeights:
         return self.packed[0].shape[0]
 
     def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
-        if use_fast(z) and z.dtype in (torch.bfloat16, torch.float16) and has_triton() \
+        if use_fast(z, "moe") and z.dtype in (torch.bfloat16, torch.float16) and has_triton() \
                 and not (z.requires_grad and torch.is_grad_enabled()):
             if mxfp4_backend(z, self.packed) == "humming":
                 from kimik3.ops.moe import humming as fast

@@ -119,8 +119,8 @@ def _tuning(layer: Layer, rows: int, device: torch.device) -> tuple[str, int]:
 
     Stream-K splits a tile's K loop over CTAs, and each CTA adds its partial sum into the bf16 output (its
     epilogue: a bf16 reduce-add, atomic beyond 3 slices): roundings the reference does not make, in an order
-    that can vary run to run. Measured on an H200 (32 experts at K3's widths, 256 tokens, where the heuristics
-    pick it): 1.9e-3 relative error with it, 2.0e-4 without, for 5% more time (0.87 -> 0.91 ms).
+    that can vary run to run: ten times the reference error with it, for 5% less time (BENCHMARKS.md,
+    "Measurements behind code choices").
     """
     from humming.tune import get_heuristics_config
 

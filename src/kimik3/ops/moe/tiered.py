@@ -213,7 +213,7 @@ class TieredWeights:
         way = tier.choose(counts[cache.slot_of[experts] < 0], expert_nbytes(self.host)) if len(missed) else None
         z_host = z.cpu() if way == "host" else None
         y = torch.empty(N * A, z.shape[1], dtype=z.dtype, device=z.device)
-        fast = use_fast(z) and z.dtype in (torch.bfloat16, torch.float16) and has_triton()
+        fast = use_fast(z, "moe") and z.dtype in (torch.bfloat16, torch.float16) and has_triton()
         full = N * A / self.num_experts  # the all-resident layer's rows per expert: its kernel tiles
 
         def rows(lookup: np.ndarray, weights: PackedWeights) -> None:

@@ -1,4 +1,5 @@
-"""MXFP4 weight codec of the K3 checkpoint ("mxfp4-pack-quantized"); a fused GPU decode may be dispatched here."""
+"""MXFP4 weight codec of the K3 checkpoint ("mxfp4-pack-quantized"): the reference, and one Triton decode kernel on
+CUDA (`.triton`, which also holds the tile decoders the W4A16 kernels share)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def decode(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16) -
 
     On CUDA tensors (unless `use_backend("torch")`) one Triton kernel (`.triton`) computes the same values.
     """
-    if use_fast(packed) and has_triton() and dtype in (torch.bfloat16, torch.float16, torch.float32):
+    if use_fast(packed, "mxfp4") and has_triton() and dtype in (torch.bfloat16, torch.float16, torch.float32):
         reference._check_decode_args(packed, scale)
         from kimik3.ops.mxfp4 import triton as fast  # lazily: triton exists only on GPU machines
 

@@ -93,8 +93,8 @@ def decode_tile_bf16(packed, scale, BR: tl.constexpr, BKH: tl.constexpr):
 
 
 
-# rows x packed bytes per program (P is a multiple of 16: whole scale groups); on an H200 at K3's expert widths
-# 16 x 256 decodes 2.8 GB of bf16 in 0.99 ms (3.6 TB/s moved), 16 x 128 in 1.11 ms
+# rows x packed bytes per program (P is a multiple of 16: whole scale groups): the faster of the two measured
+# (BENCHMARKS.md, "Measurements behind code choices")
 _BR, _BKH = 16, 256
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 

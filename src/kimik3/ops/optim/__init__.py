@@ -2,9 +2,9 @@
 folded in. Triton kernels on CUDA tensors, the references (`.reference`) elsewhere.
 
 Why our own: torch's fused AdamW reads the clip as a `grad_scale` and then writes every unscaled gradient back
-(GradScaler's contract: 2 more bytes per parameter, ~9 ms on the 4-layer training slice), and `_foreach_norm`
-reads bf16 gradients at about half the copy rate. Both passes are bound by bytes; these kernels move each byte
-once.
+(GradScaler's contract: 2 more bytes per parameter), and `_foreach_norm` reads bf16 gradients at about half the
+copy rate (BENCHMARKS.md, "Measurements behind code choices"). Both passes are bound by bytes; these kernels move
+each byte once.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def grad_norm(grads: list[Tensor]) -> Tensor:
     tensor writes per-block partial sums into one buffer, summed in a fixed order (deterministic). The reference
     is `torch.nn.utils.get_total_norm` (per-tensor norms, then their norm), equal up to fp32 summation order.
     """
-    if grads and use_fast(grads[0]) and has_triton():
+    if grads and use_fast(grads[0], "optim") and has_triton():
         from kimik3.ops.optim import triton as fast  # lazily: triton exists only on GPU machines
 
         return fast.grad_norm(grads)
@@ -47,7 +47,7 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     m = beta1 * m + (1 - beta1) * g; v = beta2 * v + (1 - beta2) * (g * g);
     p -= (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps).
     """
-    if use_fast(param) and has_triton() and reference.kernel_can_take(param, grad, exp_avg, exp_avg_sq):
+    if use_fast(param, "optim") and has_triton() and reference.kernel_can_take(param, grad, exp_avg, exp_avg_sq):
         from kimik3.ops.optim import triton as fast
 
         return fast.adamw_update_(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,

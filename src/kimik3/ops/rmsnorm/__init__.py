@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kimik3.ops.backend import has_fla, has_triton, use_fast
+from kimik3.ops.backend import has_fla, has_triton, require, use_fast
 from kimik3.ops.rmsnorm import reference
 
 __all__ = ["gated_rms_norm", "rms_norm"]
@@ -28,7 +28,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     backward one more pass per row (the reference: an fp32 copy of x, the norm, a cast and the product, each a
     pass of its own, and as many again backward).
     """
-    if use_fast(x) and has_triton():
+    if use_fast(x, "rmsnorm") and has_triton():
         from kimik3.ops.rmsnorm import triton as fast  # lazily: triton exists only on GPU machines
 
         return fast.rms_norm(x, weight, eps)
@@ -47,10 +47,11 @@ def gated_rms_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     Returns:
         [..., K] in o's dtype; differentiable in o, gate and weight.
 
-    On CUDA with fla-core installed (unless `use_backend("torch")`): fla's fused kernel, one pass where the
+    On CUDA (unless `use_backend("torch")`): fla's fused kernel (fla-core missing is an error), one pass where the
     reference makes about six (two fp32 copies, the norm, the sigmoid, the product, the cast).
     """
-    if use_fast(o) and has_fla():
+    if use_fast(o, "rmsnorm"):
+        require(has_fla(), "the gated RMSNorm", "fla-core")
         from kimik3.ops.rmsnorm import fla as fast  # lazily: fla exists only on GPU machines
 
         return fast.gated_rms_norm(o, gate, weight, eps)

@@ -30,7 +30,7 @@ def router_logits(x_ND: Tensor, w_ED: Tensor) -> Tensor:
     gamma_K * sum_k |x_k w_k| of the exact sum on either path (gamma_K = K u / (1 - K u), u = 2^-24; the
     tensor cores' truncating adds count u = 2^-23), see `.tensor_core` for the argument.
     """
-    if use_fast(x_ND) and x_ND.dtype == w_ED.dtype and x_ND.dtype in (torch.bfloat16, torch.float16):
+    if use_fast(x_ND, "router") and x_ND.dtype == w_ED.dtype and x_ND.dtype in (torch.bfloat16, torch.float16):
         from kimik3.ops.router import tensor_core
 
         return tensor_core.router_logits(x_ND, w_ED)
@@ -56,7 +56,7 @@ def route(logits_NE: Tensor, bias_E: Tensor, top_k: int, renormalize: bool, scal
     order of biased score, except where two biased scores tie within the sigmoid's last-ulp difference between
     the two paths (as between any two summation orders of the logits, see `router_logits`).
     """
-    if use_fast(logits_NE) and has_triton() and not (torch.is_grad_enabled() and logits_NE.requires_grad):
+    if use_fast(logits_NE, "router") and has_triton() and not (torch.is_grad_enabled() and logits_NE.requires_grad):
         from kimik3.ops.router import select_triton  # lazily: triton exists only on GPU machines
 
         return select_triton.route(logits_NE, bias_E, top_k, renormalize, scaling)

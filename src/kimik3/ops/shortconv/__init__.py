@@ -32,7 +32,7 @@ def short_conv(x_BTP: Tensor, weight_PW: Tensor, cu_seqlens: Tensor | None = Non
     the backward one more that recomputes the pre-activation (the reference makes ~4 fp32 passes per tap and
     autograd saves them).
     """
-    if use_fast(x_BTP) and has_triton():
+    if use_fast(x_BTP, "shortconv") and has_triton():
         from kimik3.ops.shortconv import triton as fast  # lazily: triton exists only on GPU machines
 
         return fast.short_conv(x_BTP, weight_PW, cu_seqlens)
@@ -54,7 +54,7 @@ def gathered_short_conv(ext_XP: Tensor, index_WT: Tensor, weight_PW: Tensor) -> 
         and without autograd one Triton kernel (the reference gathers W fp32 copies of [T, P]); else the reference.
     """
     grad = torch.is_grad_enabled() and (ext_XP.requires_grad or weight_PW.requires_grad)
-    if use_fast(ext_XP) and has_triton() and not grad:
+    if use_fast(ext_XP, "shortconv") and has_triton() and not grad:
         from kimik3.ops.shortconv import triton as fast
 
         return fast.gathered_short_conv(ext_XP, index_WT, weight_PW)
@@ -84,7 +84,7 @@ def decode_short_conv(x_NP: Tensor, tails_SWP: Tensor, slots_N: Tensor, weight_P
     On CUDA tensors (unless `use_backend("torch")`) one Triton kernel reads each tail and x once, writes the
     output and the shifted tail; the reference takes a gather, a cat, an index_copy and ~5 elementwise passes.
     """
-    if use_fast(x_NP) and has_triton():
+    if use_fast(x_NP, "shortconv") and has_triton():
         from kimik3.ops.shortconv import triton as fast  # lazily: triton exists only on GPU machines
 
         return fast.decode_short_conv(x_NP, tails_SWP, slots_N, weight_PW)

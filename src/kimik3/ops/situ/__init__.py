@@ -28,7 +28,7 @@ def situ_glu(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tenso
     output once (the reference makes about a dozen fp32 passes), and the backward recomputes from the saved
     inputs in one more (the reference saves its fp32 intermediates).
     """
-    if use_fast(gate) and has_triton():
+    if use_fast(gate, "situ") and has_triton():
         from kimik3.ops.situ import triton as fast  # lazily: triton exists only on GPU machines
 
         return fast.situ_glu(gate, up, beta, linear_beta)

@@ -33,6 +33,6 @@ def vision_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, sca
     Raises:
         ValueError naming the argument: q not 3-D, k/v shaped unlike q, cu_seqlens not rising from 0 to T.
     """
-    if use_fast(q):
+    if use_fast(q, "vision_attn"):
         return sdpa.vision_attention(q, k, v, cu_seqlens, scale=scale)
     return reference.vision_attention(q, k, v, cu_seqlens, scale=scale)

@@ -19,7 +19,7 @@ def vision_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, sca
     out = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         # [1, H, T, K]: SDPA's fused (flash / cuDNN / efficient) kernels take only 4-D inputs; with 3-D ones it
-        # silently runs the math kernel, 25x slower at 16k patches on an H200
+        # silently runs the math kernel, many times slower (BENCHMARKS.md, "Measurements behind code choices")
         q_1HTK, k_1HTK, v_1HTK = (x[None, start:end].transpose(1, 2) for x in (q, k, v))
         o_1HTK = F.scaled_dot_product_attention(q_1HTK, k_1HTK, v_1HTK, scale=scale)
         out.append(o_1HTK[0].transpose(0, 1))
