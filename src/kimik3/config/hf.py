@@ -3,7 +3,7 @@
 This is the only place where HF key names, nesting and the 1-based `kda_layers` / `full_attn_layers` lists are
 read: a value of the wrong type is a ValueError naming the field, a setting K3 does not have (RoPE, grouped
 routing, another activation) is a ValueError saying what K3 uses, and an unknown key is a warning naming the
-closest known one. `K3Config.from_hf` and `K3Config.from_file` call `k3_from_hf` and `k3_from_file`.
+closest known one. `K3Config.from_hf` and `K3Config.from_file` are built from `k3_fields` and `k3_file_fields`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from kimik3.config.tree import (
+from kimik3.config.sections import (
     A_LOG_PAD,
     STORED_DTYPES,
-    K3Config,
     KDAConfig,
     LayerType,
     MLAConfig,
@@ -94,8 +93,8 @@ def _int_list(d: dict, key: str, where: str) -> list[int]:
     return value
 
 
-def k3_from_file(path: str | Path) -> K3Config:
-    """`k3_from_hf` of a config.json (or of a folder's); errors and unknown-key warnings name the file."""
+def k3_file_fields(path: str | Path) -> dict:
+    """`k3_fields` of a config.json (or of a folder's); errors and unknown-key warnings name the file."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -108,7 +107,7 @@ def k3_from_file(path: str | Path) -> K3Config:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            cfg = k3_from_hf(d)
+            cfg = k3_fields(d)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     for w in caught:  # stacklevel 3: the caller of K3Config.from_file
@@ -116,10 +115,9 @@ def k3_from_file(path: str | Path) -> K3Config:
     return cfg
 
 
-def k3_from_hf(d: dict) -> K3Config:
-    """Build from the released config.json layout (top level + `text_config` + optional `vision_config`).
-
-    A bare text config (a dict with `linear_attn_config` at top level) is accepted too.
+def k3_fields(d: dict) -> dict:
+    """`K3Config`'s fields from the released config.json layout (top level + `text_config` + optional
+    `vision_config`). A bare text config (a dict with `linear_attn_config` at top level) is accepted too.
     """
     if not isinstance(d, dict):
         raise ValueError("config: expected a JSON object")
@@ -146,7 +144,7 @@ def k3_from_hf(d: dict) -> K3Config:
     # special ids: the top level's, else text_config's (a config may keep them in one place only)
     ids = {key: _get(d, key, "", None, int) if key in d else _get(t, key, tw, None, int)
            for key in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id")}
-    return K3Config(text=text, vision=vision, storage=_storage_from_hf(d, t, tw), **ids, hf=json.loads(json.dumps(d)))
+    return dict(text=text, vision=vision, storage=_storage_from_hf(d, t, tw), **ids, hf=json.loads(json.dumps(d)))
 
 
 def _warn_unknown(d: dict, known: frozenset[str], where: str) -> None:
