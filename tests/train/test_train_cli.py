@@ -188,3 +188,24 @@ def test_no_progress_prints_a_log_line_every_log_every_steps(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "resumed from step 3" in err
     assert [int(s) for s, _, _ in re.findall(r"step (\d+)/5: loss (\d+\.\d+), ([\d,]+) tokens/s", err)] == [4, 5]
+
+
+def test_a_start_override_on_a_resumed_run_is_named_not_ignored_silently(tmp_path, capsys):
+    """`--set model.init_seed=5` on a folder that resumes: the run continues (its weights come from the
+    checkpoint) and says that the override had no effect, with the folder that would apply it."""
+    toml = write_run(tmp_path)
+    assert main(["train", str(toml)]) == 0
+    capsys.readouterr()
+    assert main(["train", str(toml), "--set", "train.steps=2", "--set", "model.init_seed=5"]) == 0
+    captured = capsys.readouterr()
+    assert "done at step 2/2" in captured.out
+    (line,) = [x for x in captured.err.splitlines() if "init_seed" in x]
+    assert line.startswith("kimik3 train: warning: resuming ") and "model.init_seed 0 -> 5 has no effect" in line
+    assert not Path(_advised_out_dir(line)).exists()
+    assert main(["train", str(toml), "--set", "train.steps=3"]) == 0  # nothing overridden: nothing said
+    assert "has no effect" not in capsys.readouterr().err
+
+
+def test_threads_past_the_machine_is_one_line(tmp_path, capsys):
+    assert main(["train", str(write_run(tmp_path)), "--threads", "10000"]) == 2
+    assert "--threads must be from 1 to" in capsys.readouterr().err

@@ -45,19 +45,27 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=None, help="default 0.0 (off)")
     g.add_argument("--repetition-penalty", type=float, default=None, help="default 1.0 (off)")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], type=unescape,
+    g.add_argument("--stop", action="append", default=[],
                    help=r"stop string (repeatable); the escapes \n \t \r \\ \xHH \uHHHH are decoded, so "
                         r"--stop '\n\n' stops at a blank line (write \\n for a backslash and an n)")
 
 
-_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[ntr\\])")
+_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[ntr\\]|[xu])")
 _SIMPLE = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
 def unescape(s: str) -> str:
-    r"""Decode the backslash escapes a shell cannot type easily: \n \t \r \\ \xHH \uHHHH. Anything else after
-    a backslash is kept as written (unlike `codecs.decode(s, "unicode_escape")`, non-ASCII text survives)."""
-    return _ESCAPE.sub(lambda m: _SIMPLE.get(m[1]) or chr(int(m[1][1:], 16)), s)
+    r"""Decode the backslash escapes a shell cannot type easily: \n \t \r \\ \xHH \uHHHH. A \x or \u without
+    its hex digits is a ValueError; anything else after a backslash is kept as written (unlike
+    `codecs.decode(s, "unicode_escape")`, non-ASCII text survives)."""
+    def decode(m: re.Match) -> str:
+        if m[1] in ("x", "u"):
+            digits = 2 if m[1] == "x" else 4
+            raise ValueError(f"malformed escape \\{s[m.end() - 1:m.end() + digits]}: \\{m[1]} takes {digits} hex "
+                             "digits (write \\\\ for a backslash)")
+        return _SIMPLE.get(m[1]) or chr(int(m[1][1:], 16))
+
+    return _ESCAPE.sub(decode, s)
 
 
 def sampling_params(args):
@@ -69,8 +77,14 @@ def sampling_params(args):
     gen = _read_json(gen_file) if gen_file.is_file() else {}
     kw = {k: getattr(args, k) if getattr(args, k) is not None else gen[k]
           for k in SAMPLING_KEYS if getattr(args, k) is not None or k in gen}
+    stop = []
+    for text in args.stop:
+        try:
+            stop.append(unescape(text))
+        except ValueError as e:
+            raise ValueError(f"--stop '{text}': {e}") from None
     try:
-        return SamplingParams(**kw, seed=args.seed, stop=tuple(args.stop))
+        return SamplingParams(**kw, seed=args.seed, stop=tuple(stop))
     except ValueError as e:
         if any(f" {k} " in str(e) for k in kw if getattr(args, k) is None):  # the file's value, not a flag's
             raise ValueError(f"{gen_file}: {e}") from None
@@ -103,7 +117,10 @@ def model_path(args) -> Path:
 
 def check_request(args, cfg, *, images: bool) -> None:
     """Refuse, before the (long) load, what the model cannot do: images without a vision tower in its config,
-    a --max-context beyond its positions."""
+    a --max-context beyond its positions; and a --threads count the machine cannot run."""
+    from kimik3.inference.threads import check_threads
+
+    check_threads(getattr(args, "threads", None), "--threads")
     if images and cfg.vision is None:
         raise ValueError(f"--image: the model at {model_path(args)} is text-only (its config.json has no "
                          "vision_config); use a checkpoint with a vision tower, or leave out the image")

@@ -47,6 +47,8 @@ def read_prompt(args) -> str:
         text, where = sys.stdin.read(), "--prompt-file - (stdin)"
     else:
         path = Path(args.prompt_file)
+        if path.is_dir():
+            raise IsADirectoryError(f"--prompt-file {path}: a folder; expected a UTF-8 text file")
         if not path.is_file():
             raise FileNotFoundError(f"--prompt-file {path}: no such file")
         try:

@@ -45,9 +45,11 @@ def run(args) -> int:
     if args.stop_at is not None and args.stop_at < 1:
         raise ValueError(f"--stop-at must be a step >= 1, got {args.stop_at}")
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
         import torch
+
+        from kimik3.inference.threads import check_threads
+
+        check_threads(args.threads, "--threads")
 
         torch.set_num_threads(args.threads)
     from kimik3.distributed import shutdown
