@@ -209,3 +209,23 @@ def test_a_start_override_on_a_resumed_run_is_named_not_ignored_silently(tmp_pat
 def test_threads_past_the_machine_is_one_line(tmp_path, capsys):
     assert main(["train", str(write_run(tmp_path)), "--threads", "10000"]) == 2
     assert "--threads must be from 1 to" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("progress", ["--no-progress", "--set=log.progress=true"])  # a bar on no terminal: lines
+def test_a_closed_output_pipe_saves_like_ctrl_c(tmp_path, progress):
+    """`kimik3 train ... 2>&1 | head -1`: once the reader is gone the run stops after the current step and saves
+    it (as Ctrl-C does), then exits 141; it used to die of the broken pipe with nothing saved."""
+    import os
+    import subprocess
+    import sys
+
+    toml = write_run(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kimik3", "train", str(toml), "--set", "train.steps=500",
+                             "--set", "eval.every=1", "--set", "checkpoint.every=1000", progress],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` exits
+    assert proc.wait(timeout=300) == 141, first
+    saved = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert len(saved) == 1 and 0 < int(saved[0].name.removeprefix("step-")) < 500

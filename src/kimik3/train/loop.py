@@ -283,6 +283,7 @@ class Trainer:
                     if self._due(c.checkpoint.every):
                         self._save()
                         saved_at = self.step
+                    self._stop = self._stop or progress.closed  # nobody reads the run's output: as Ctrl-C
                     if self._stop_requested():
                         status = "interrupted"
                         break
