@@ -52,6 +52,22 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[li
     return out
 
 
+def check_positions(prompt_tokens: int, max_new_tokens: int, positions: int | None, what: str = "the prompt",
+                    stop: str = "max_context={positions}") -> None:
+    """A ValueError when a prompt of `prompt_tokens` fills the model's `positions` (max_position_embeddings) or
+    `max_new_tokens` more would run past them (the transformers route checks with this too); `stop` says which
+    argument would stop generation at the end of the context instead."""
+    if positions is None:
+        return
+    if prompt_tokens >= positions:
+        raise ValueError(f"{what}: {prompt_tokens} tokens leave no room in the model's {positions} positions "
+                         "(max_position_embeddings)")
+    if prompt_tokens + max_new_tokens > positions:
+        raise ValueError(f"{what}: {prompt_tokens} tokens + max_new_tokens {max_new_tokens} exceed the model's "
+                         f"{positions} positions (max_position_embeddings); lower max_new_tokens to "
+                         f"{positions - prompt_tokens}, or pass {stop.format(positions=positions)} to stop there")
+
+
 def _fit_context(prompts: list[list[int]], params: list[SamplingParams], max_context: int | None,
                  positions: int | None) -> list[SamplingParams]:
     """Each request's params with max_new_tokens cut to what `max_context` leaves; without `max_context`,
@@ -71,10 +87,7 @@ def _fit_context(prompts: list[list[int]], params: list[SamplingParams], max_con
         raise ValueError(f"a prompt of {longest} tokens leaves no room in the allowed context of {limit} ({what})")
     if max_context is None:
         for i, (p, q) in enumerate(zip(params, prompts, strict=True)):
-            if len(q) + p.max_new_tokens > limit:
-                raise ValueError(f"prompt {i}: {len(q)} tokens + max_new_tokens {p.max_new_tokens} exceed the "
-                                 f"model's {limit} positions (max_position_embeddings); lower max_new_tokens to "
-                                 f"{limit - len(q)}, or pass max_context={limit} to stop there")
+            check_positions(len(q), p.max_new_tokens, limit, f"prompt {i}")
         return params
     return [dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, limit - len(q)))
             for p, q in zip(params, prompts, strict=True)]
