@@ -4,7 +4,6 @@ before anything is loaded, into a frozen `EngineConfig`."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(a DSpark-style drafter, --speculative-model); the same output (greedy: the same tokens in "
                         "float32; bf16 rounds a verified row differently, which can flip a near-tie)")
     g.add_argument("--speculative-model", metavar="PATH", default=None,
-                   help="the drafter's folder for --speculative-method draft")
+                   help="the drafter for --speculative-method draft: a folder or a preset (demo-draft); default: the "
+                        "drafter shipped with the model, if any (the demo model's)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="draft tokens verified per sequence and step (default 4)")
 
@@ -32,6 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def speculative_config(args):
     """The `SpeculativeConfig` the speculative flags ask for (None: off); a bad value names its flag."""
     from kimik3.inference.engine.config import SpeculativeConfig
+    from kimik3.presets import resolve_drafter
 
     method, model, k = (getattr(args, a, None) for a in ("speculative_method", "speculative_model",
                                                         "num_speculative_tokens"))
@@ -39,14 +40,12 @@ def speculative_config(args):
         if model is not None or k is not None:
             raise ValueError("--speculative-model and --num-speculative-tokens need --speculative-method")
         return None
-    if method == "draft" and not model:
-        raise ValueError("--speculative-method draft needs --speculative-model PATH (the drafter's folder)")
     if method == "suffix" and model:
         raise ValueError("--speculative-model is for --speculative-method draft, not suffix")
     if k is not None and k < 1:
         raise ValueError(f"--num-speculative-tokens must be at least 1, got {k}")
-    if model is not None and not Path(model).is_dir():
-        raise FileNotFoundError(f"--speculative-model {model}: no such folder")
+    if method == "draft":
+        model = str(resolve_drafter(model, getattr(args, "model", None)))
     return SpeculativeConfig(method, model, 4 if k is None else k)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from kimik3.cli import batch
@@ -33,6 +34,9 @@ def add_parser(sub) -> None:
                    help="image file for the prompt (repeatable; implies --chat; needs a model with a vision tower)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print tokens as they come (default: when the output is a terminal)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="after the text, on stderr: tokens, time and tokens/s; with speculative decoding its "
+                        "acceptance rate and mean accepted length")
     p.add_argument("--parallel", choices=("tp", "ep"), default=None,
                    help="under torchrun: shard the model over the ranks (tp: attention heads and MLP widths, "
                         "ep: routed experts); rank 0 prints")
@@ -61,12 +65,26 @@ def read_prompt(args) -> str:
     return text
 
 
+def report(tokens: int, seconds: float, speculative, stats) -> None:
+    """The run in one line on stderr: tokens, time, rate, and the speculative counters (acceptance rate: accepted
+    draft tokens / draft tokens; mean accepted length: tokens committed per verification step, the bonus included)."""
+    line = f"kimik3 generate: {tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s)"
+    if speculative is not None:
+        drafted, accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+        rate = f"{accepted / drafted:.1%}" if drafted else "n/a"
+        line += (f"; speculative {speculative.method}, k = {speculative.num_speculative_tokens}: acceptance rate "
+                 f"{rate} ({accepted} of {drafted} draft tokens in {stats.spec_decode_num_drafts} drafts), mean "
+                 f"accepted length {stats.mean_accepted_length:.2f}")
+    print(line, file=sys.stderr)
+
+
 def run(args) -> int:
     if args.input:  # batch mode: a JSONL file through the serving engine
         return batch.run(args)
     from kimik3.cli.chat import ChatPrinter, user_turn
     from kimik3.cli.engine_args import speculative_config
     from kimik3.inference import stream
+    from kimik3.inference.spec import SpecStats
     from kimik3.vision import load_image
 
     prompt = read_prompt(args)
@@ -94,8 +112,10 @@ def run(args) -> int:
 
         sync = lambda tokens: dist.broadcast(tokens, 0)  # noqa: E731
     ends = end_ids(model, tok)
-    for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=ends,
-                         max_context=window, sync_tokens=sync, speculative=speculative, **images):
+    stats = SpecStats() if speculative is not None else None
+    t0 = time.perf_counter()
+    for events in stream(model, [ids], params, tokenizer=tok, eos_token_ids=ends, max_context=window,
+                         sync_tokens=sync, speculative=speculative, spec_stats=stats, **images):
         for event in events:  # one prompt; several tokens in a step with speculative decoding
             if printer is not None:
                 printer.feed(event.token_id, show=args.stream)
@@ -109,6 +129,8 @@ def run(args) -> int:
     else:
         print()
     sys.stdout.flush()
+    if args.verbose:
+        report(len(out), time.perf_counter() - t0, speculative, stats)
     if args.parallel:
         from kimik3.distributed import shutdown
 

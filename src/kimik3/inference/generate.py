@@ -6,6 +6,7 @@ new tokens come back as TokenEvents, with their text from the engine's stop-awar
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from kimik3.inference.engine import Engine, EngineConfig, Request
 from kimik3.inference.engine.config import GRID, SpeculativeConfig
 from kimik3.inference.sampling import SamplingParams
+from kimik3.inference.spec import SpecStats
 from kimik3.tokenizer import Tokenizer
 
 
@@ -98,7 +100,8 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
            *, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
            max_context: int | None = None, cuda_graph: bool = False, pixel_values: Tensor | None = None,
            grid_thws: Tensor | None = None, sync_tokens: Callable[[Tensor], object] | None = None,
-           speculative: SpeculativeConfig | None = None) -> Iterator[list[TokenEvent]]:
+           speculative: SpeculativeConfig | None = None, spec_stats: SpecStats | None = None
+           ) -> Iterator[list[TokenEvent]]:
     """Generate for a batch of token-id prompts, yielding each step's new tokens as they come.
 
     Args:
@@ -119,6 +122,8 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
             from rank 0, so every rank continues with the same tokens and stops at the same step.
         speculative: speculative decoding (`SpeculativeConfig`): the same tokens (greedy) or distribution
             (sampling), several tokens per step.
+        spec_stats: with `speculative`, a `SpecStats` that receives the run's counters (drafts, draft and
+            accepted tokens) as the run ends.
 
     Yields:
         per engine step, one TokenEvent per new token of each sequence that advanced.
@@ -146,6 +151,8 @@ def stream(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
                                              o.finish_reason if last else None))
         if events:
             yield events
+    if spec_stats is not None and engine.speculator is not None:
+        vars(spec_stats).update(copy.deepcopy(vars(engine.speculator.stats)))
 
 
 def _image_tokens(model: nn.Module, prompts: list[list[int]], pixel_values: Tensor | None,
