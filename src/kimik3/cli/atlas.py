@@ -50,7 +50,7 @@ def build(args):
     if ckpt == "demo":
         ckpt = DEMO_MODEL
     check_output(out, "--out", {"CONFIG": path.parent if Path(args.config).is_dir() else path,
-                                "--diff": args.diff and resolve_config(args.diff),
+                                "--diff": resolve_config(args.diff) if args.diff else None,
                                 "--checkpoint": ckpt if args.prompt is not None else None})
     t0 = time.perf_counter()
     atlas = build_atlas(load_config(path), name=name, config_path=path, context=args.context)

@@ -50,7 +50,6 @@ def run(args) -> int:
         from kimik3.inference.threads import check_threads
 
         check_threads(args.threads, "--threads")
-
         torch.set_num_threads(args.threads)
     from kimik3.distributed import shutdown
     from kimik3.train import Trainer, load_train_config
