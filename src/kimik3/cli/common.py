@@ -41,19 +41,27 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=None, help="default 0.0 (off)")
     g.add_argument("--repetition-penalty", type=float, default=None, help="default 1.0 (off)")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], type=unescape,
+    g.add_argument("--stop", action="append", default=[],
                    help=r"stop string (repeatable); the escapes \n \t \r \\ \xHH \uHHHH are decoded, so "
                         r"--stop '\n\n' stops at a blank line (write \\n for a backslash and an n)")
 
 
-_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[ntr\\])")
+_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[ntr\\]|[xu])")
 _SIMPLE = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
 def unescape(s: str) -> str:
-    r"""Decode the backslash escapes a shell cannot type easily: \n \t \r \\ \xHH \uHHHH. Anything else after
-    a backslash is kept as written (unlike `codecs.decode(s, "unicode_escape")`, non-ASCII text survives)."""
-    return _ESCAPE.sub(lambda m: _SIMPLE.get(m[1]) or chr(int(m[1][1:], 16)), s)
+    r"""Decode the backslash escapes a shell cannot type easily: \n \t \r \\ \xHH \uHHHH. A \x or \u without
+    its hex digits is a ValueError; anything else after a backslash is kept as written (unlike
+    `codecs.decode(s, "unicode_escape")`, non-ASCII text survives)."""
+    def decode(m: re.Match) -> str:
+        if m[1] in ("x", "u"):
+            digits = 2 if m[1] == "x" else 4
+            raise ValueError(f"malformed escape \\{s[m.end() - 1:m.end() + digits]}: \\{m[1]} takes {digits} hex "
+                             "digits (write \\\\ for a backslash)")
+        return _SIMPLE.get(m[1]) or chr(int(m[1][1:], 16))
+
+    return _ESCAPE.sub(decode, s)
 
 
 def sampling_params(args):
@@ -63,8 +71,14 @@ def sampling_params(args):
 
     from kimik3.inference.sampling import generation_defaults
 
+    stop = []
+    for text in args.stop:
+        try:
+            stop.append(unescape(text))
+        except ValueError as e:
+            raise ValueError(f"--stop '{text}': {e}") from None
     flags = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
-    return dataclasses.replace(generation_defaults(model_path(args)), **flags, seed=args.seed, stop=tuple(args.stop))
+    return dataclasses.replace(generation_defaults(model_path(args)), **flags, seed=args.seed, stop=tuple(stop))
 
 
 def model_path(args) -> Path:
@@ -98,17 +112,19 @@ def check_context(args, params, prompt_tokens: int, window: int) -> None:
 
 
 def open_engine(args, base, *, vision: bool | None = False):
-    """(the engine over the model at --model, its folder), every flag checked before the (long) load: images
-    against the config (vision: False loads text only; None the vision tower when the checkpoint has one; True
-    requires it), the engine flags over `base` (the command's `EngineConfig` defaults). With `args.parallel`
-    (generate under torchrun) each rank loads its shards; only rank 0 prints."""
+    """(the engine over the model at --model, its folder), every flag checked before the (long) load: --threads
+    against the machine's CPUs, images against the config (vision: False loads text only; None the vision tower
+    when the checkpoint has one; True requires it), the engine flags over `base` (the command's `EngineConfig`
+    defaults). With `args.parallel` (generate under torchrun) each rank loads its shards; only rank 0 prints."""
     import torch
 
     from kimik3.cli.engine_args import engine_config
     from kimik3.config import K3Config
     from kimik3.inference import load_engine
     from kimik3.inference.load import read_tokenizer
+    from kimik3.inference.threads import check_threads
 
+    check_threads(getattr(args, "threads", None), "--threads")
     path = model_path(args)
     cfg = K3Config.from_file(path / "config.json")
     if vision and cfg.vision is None:

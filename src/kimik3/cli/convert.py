@@ -6,8 +6,8 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="rewrite a checkpoint folder with MXFP4 or bf16 routed experts")
     p.add_argument("src", help="source checkpoint folder")
-    p.add_argument("dst", help="destination folder; an existing checkpoint folder there (SRC itself included) is "
-                               "replaced atomically, keeping its non-weight files")
+    p.add_argument("dst", help="destination folder, apart from SRC (not SRC, inside it or around it); an existing "
+                               "checkpoint folder there is replaced atomically, keeping its non-weight files")
     p.add_argument("--experts", choices=("bf16", "mxfp4"), required=True,
                    help="how the routed experts are stored (mxfp4 = as released)")
     p.add_argument("--max-shard-size", default="5GB", help="shard size limit, e.g. 5GB, 500MB (default 5GB)")
@@ -19,10 +19,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from kimik3.checkpoint import load, save
+    from kimik3.cli.outputs import check_output
 
-    # the whole model is in memory before anything is written, so DST may be SRC (or overlap it); the
-    # tokenizer, model card and generation_config.json come along from SRC (`save`'s source, the loaded folder).
-    # mxfp4 -> mxfp4 copies the packed bytes; everything else goes through the dense weights
+    check_output(args.dst, "DST", {"SRC": args.src})
+    # the tokenizer, model card and generation_config.json come along from SRC (`save`'s source, the loaded
+    # folder). mxfp4 -> mxfp4 copies the packed bytes; everything else goes through the dense weights
     model = load(args.src, dtype=args.dtype, keep_experts_packed=args.experts == "mxfp4", quiet=args.quiet)
     save(model, args.dst, experts=args.experts, max_shard_size=args.max_shard_size, dtype=args.dtype,
          quiet=args.quiet)

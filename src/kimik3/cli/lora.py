@@ -10,7 +10,8 @@ def add_parser(sub) -> None:
     m.add_argument("base", help="the base checkpoint folder the adapter was trained on")
     m.add_argument("adapter", help="adapter folder (adapter_config.json + adapter_model.safetensors), e.g. "
                                    "RUN/checkpoints/step-*/adapter")
-    m.add_argument("out", help="destination checkpoint folder (replaced atomically if it is one)")
+    m.add_argument("out", help="destination checkpoint folder, apart from BASE and ADAPTER (replaced atomically if "
+                               "it is one)")
     m.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
                    help="routed experts merged dense (bf16, default) or re-encoded to MXFP4 (lossy: the relative "
                         "error is printed)")
@@ -23,8 +24,10 @@ def add_parser(sub) -> None:
 def run_merge(args) -> int:
     import torch
 
+    from kimik3.cli.outputs import check_output
     from kimik3.lora import merge_checkpoint
 
+    check_output(args.out, "OUT", {"BASE": args.base, "ADAPTER": args.adapter})
     dtype = getattr(torch, args.dtype) if args.dtype else None
     report = merge_checkpoint(args.base, args.adapter, args.out, experts=args.experts, dtype=dtype, quiet=args.quiet)
     print(f"merged {report['modules']} LoRA modules into {args.out} (routed experts {report['experts']})")

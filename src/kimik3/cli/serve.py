@@ -67,9 +67,9 @@ def check_args(args, path):
     """Every flag checked before anything starts (the engine's against the checkpoint's config): the config."""
     from kimik3.config import K3Config
     from kimik3.inference.engine import EngineConfig
+    from kimik3.inference.threads import check_threads
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    check_threads(args.threads, "--threads")
     if args.max_pending < 1:
         raise ValueError(f"--max-pending must be at least 1, got {args.max_pending}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
