@@ -2,9 +2,9 @@
 
 Ids, special tokens and decoding are `kimik3.tokenizer.Tokenizer`'s (one BPE, over the folder's `tiktoken.model`);
 `apply_chat_template` is `encode_chat` / `encode_chat_with_mask` with their keywords (tools, thinking,
-thinking_effort, tool_choice, response_format). The released folder has no Jinja template (spec 5: XTML is
-rendered in Python), so `chat_template` holds a short stand-in that names the encoder; its `{% generation %}`
-markers tell trainers (TRL) that assistant masks come back from `return_assistant_tokens_mask=True`.
+thinking_effort, tool_choice, response_format). `chat_template` is kimik3's Jinja template of the same format
+(`kimik3.tokenizer.CHAT_TEMPLATE`, for what renders templates itself); its `{% generation %}` markers tell trainers
+(TRL) that assistant masks come back from `return_assistant_tokens_mask=True`.
 
 Token strings are the tokens' bytes through GPT-2's byte-to-character table (printable, reversible), special
 tokens their names, so `convert_ids_to_tokens` / `get_vocab` work as transformers expects.
@@ -19,15 +19,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizer
 
-from kimik3.tokenizer import Tokenizer, encode_chat_with_mask
+from kimik3.tokenizer import CHAT_TEMPLATE, Tokenizer, encode_chat_with_mask
 
 FILE = "tiktoken.model"
 RELEASED_TOKENIZER_CLASS = "TikTokenTokenizer"  # tokenizer_config.json's tokenizer_class in the release
 # what transformers reads to tell trainers the template marks assistant tokens; rendering is kimik3's encoder
-CHAT_TEMPLATE = ("{# Kimi K3 XTML: rendered by kimik3.tokenizer.encode_chat (KimiK3Tokenizer.apply_chat_template), "
-                 "not by this template #}{% for message in messages %}{% if message['role'] == 'assistant' %}"
-                 "{% generation %}{{ message['content'] }}{% endgeneration %}{% else %}{{ message['content'] }}"
-                 "{% endif %}{% endfor %}")
 _CHAT_KEYS = ("tools", "thinking", "thinking_effort", "tool_choice", "response_format", "image_prompts")
 
 
