@@ -84,7 +84,8 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
         config: the K3Config for config.json; required for a K3ForCausalLM, which carries only its TextConfig.
         source: a checkpoint folder whose tokenizer, model card, generation_config.json and other non-weight
             files are copied into the new folder (or one file: a tokenizer rank file, written as
-            `tiktoken.model`); None = the folder the model was loaded from (`model.loaded_from`, set by
+            `tiktoken.model`; or a GGUF, whose vocabulary and sampling defaults are written out);
+            None = the folder the model was loaded from (`model.loaded_from`, set by
             `kimik3.load`), if any. With a tiktoken.model the folder also gets tokenizer_config.json (the Jinja
             chat template inside) and tokenization_kimi.py, so transformers and llama.cpp's converter load it.
         quiet: no progress bar (shown only when stderr is a terminal anyway).
@@ -109,10 +110,11 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
     dtype = parse_dtype(dtype) or stored_dtype(cfg)
     path = Path(path)
     _check_replaceable(path)
-    if source is None:  # the folder the model came from, unless it is gone since
+    if source is None:  # the folder (or GGUF) the model came from, unless it is gone since
         source = getattr(model, LOADED_FROM, None)
-        source = source if source is not None and Path(source).is_dir() else None
-    companions = companion_files(source) if source is not None else []
+        source = source if source is not None and (Path(source).is_dir() or str(source).endswith(".gguf")) else None
+    from_gguf = source is not None and str(source).endswith(".gguf")
+    companions = companion_files(source) if source is not None and not from_gguf else []
 
     specs = sorted(model_specs(model, experts, dtype), key=_release_order)
     shards = _plan_shards(specs, limit)
@@ -131,6 +133,10 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
         _write_json(tmp / GENERATION_CONFIG, _generation_config(cfg))
         for f in companions:  # a single file is the tokenizer, whatever it is called
             copy_durably(f, tmp / (TOKENIZER if Path(source).is_file() else f.name))
+        if from_gguf:  # its vocabulary and sampling defaults, as the files a folder keeps them in
+            from kimik3.checkpoint.gguf_read import write_companions
+
+            write_companions(source, tmp)
         if (tmp / TOKENIZER).is_file():
             try:
                 write_hf_files(tmp, cfg.text.max_position_embeddings)

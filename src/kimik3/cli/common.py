@@ -65,8 +65,13 @@ def sampling_params(args):
     from kimik3.checkpoint.folder import GENERATION_CONFIG
     from kimik3.inference import SamplingParams
 
-    gen_file = model_path(args) / GENERATION_CONFIG
-    gen = _read_json(gen_file) if gen_file.is_file() else {}
+    if _is_gguf(model_path(args)):
+        from kimik3.checkpoint.gguf_read import open_gguf
+
+        gen_file, gen = model_path(args), open_gguf(model_path(args)).generation_config()
+    else:
+        gen_file = model_path(args) / GENERATION_CONFIG
+        gen = _read_json(gen_file) if gen_file.is_file() else {}
     kw = {k: getattr(args, k) if getattr(args, k) is not None else gen[k]
           for k in SAMPLING_KEYS if getattr(args, k) is not None or k in gen}
     try:
@@ -88,16 +93,21 @@ def _read_json(path: Path) -> dict:
 
 
 def model_path(args) -> Path:
-    """The model folder: --model (a folder, or a hub id resolved once through the hub's cache), else the demo."""
+    """The model: --model (a folder, a .gguf file, or a hub id resolved once through the hub's cache), else the
+    demo."""
     from kimik3.checkpoint.hub import resolve
     from kimik3.presets import DEMO_MODEL
 
     if getattr(args, "_model_dir", None) is None:
         args._model_dir = resolve(args.model, getattr(args, "revision", None)) if args.model else DEMO_MODEL
     path = args._model_dir
+    if _is_gguf(path) and path.is_file():
+        return path
     if not path.is_dir() or not (path / "config.json").is_file():
         what = "--model" if args.model else "the bundled demo model (pass --model PATH)"
-        raise FileNotFoundError(f"no model at {path} ({what}): expected a checkpoint folder with config.json")
+        raise FileNotFoundError(f"no model at {path} ({what}): expected a checkpoint folder with config.json, or a "
+                                ".gguf file")
+
     return path
 
 
@@ -158,10 +168,15 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
     from kimik3.tokenizer import Tokenizer
 
     path = model_path(args)
-    cfg = K3Config.from_file(path / "config.json")
+    if _is_gguf(path):  # llama.cpp's format: config and vocabulary from its metadata (docs/gguf.md)
+        from kimik3.checkpoint.gguf_read import open_gguf
+
+        source = open_gguf(path)
+        cfg, tokenizer = source.config(), source.tokenizer()
+    else:
+        cfg, tokenizer = K3Config.from_file(path / "config.json"), _tokenizer(Tokenizer, path)
     check_request(args, cfg, images=bool(vision))
     sampling_params(args)  # bad sampling values fail before the (long) load
-    tokenizer = _tokenizer(Tokenizer, path)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     # None with images too: a config with a vision_config over shards without its tensors loads as text
@@ -188,6 +203,10 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
                          "it reads text only")
     pick_cpu_threads(model, device, getattr(args, "threads", None))
     return model, tokenizer, path
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf"
 
 
 def _tokenizer(cls, path: Path):

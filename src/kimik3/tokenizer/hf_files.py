@@ -16,9 +16,9 @@ import os
 import shutil
 from pathlib import Path
 
+from . import CHAT_TEMPLATE
 from .bpe import PATTERN, Tokenizer
 from .chat import END_OF_MSG
-from . import CHAT_TEMPLATE
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 REMOTE_CODE = Path(__file__).with_name("tokenization_kimi.py")
