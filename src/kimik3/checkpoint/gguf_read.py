@@ -20,7 +20,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import gguf
@@ -45,11 +45,6 @@ _T = gguf.GGMLQuantizationType
 _EXACT = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
 _SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
              "general.sampling.top_k": "top_k"}
-
-
-def is_gguf(path: str | Path) -> bool:
-    """True for a path ending in .gguf (a file, or a missing one that open_gguf will report)."""
-    return str(path).endswith(".gguf")
 
 
 def gguf_parts(path: str | Path) -> list[Path]:
@@ -153,6 +148,15 @@ class GGUFModel:
 
 
 def open_gguf(path: str | Path) -> GGUFModel:
+    """The GGUF at `path`, read once per file version: a command asks for its config, tokenizer, sampling
+    defaults and tensors in turn, and parsing the metadata of a 163k-token vocabulary takes seconds."""
+    path = Path(path)
+    stat = path.stat() if path.is_file() else None
+    return _open(path.resolve() if stat else path, stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
+
+
+@lru_cache(maxsize=2)
+def _open(path: Path, mtime_ns: int, size: int) -> GGUFModel:
     return GGUFModel(path)
 
 

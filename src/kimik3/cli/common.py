@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -62,16 +61,10 @@ def unescape(s: str) -> str:
 
 def sampling_params(args):
     """SamplingParams from the flags, falling back to the model's generation_config.json, then the defaults."""
-    from kimik3.checkpoint.folder import GENERATION_CONFIG
+    from kimik3.checkpoint.source import read_generation_config
     from kimik3.inference import SamplingParams
 
-    if _is_gguf(model_path(args)):
-        from kimik3.checkpoint.gguf_read import open_gguf
-
-        gen_file, gen = model_path(args), open_gguf(model_path(args)).generation_config()
-    else:
-        gen_file = model_path(args) / GENERATION_CONFIG
-        gen = _read_json(gen_file) if gen_file.is_file() else {}
+    gen_file, gen = read_generation_config(model_path(args))
     kw = {k: getattr(args, k) if getattr(args, k) is not None else gen[k]
           for k in SAMPLING_KEYS if getattr(args, k) is not None or k in gen}
     try:
@@ -80,16 +73,6 @@ def sampling_params(args):
         if any(f" {k} " in str(e) for k in kw if getattr(args, k) is None):  # the file's value, not a flag's
             raise ValueError(f"{gen_file}: {e}") from None
         raise
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
-    return d
 
 
 def model_path(args) -> Path:
@@ -101,13 +84,12 @@ def model_path(args) -> Path:
     if getattr(args, "_model_dir", None) is None:
         args._model_dir = resolve(args.model, getattr(args, "revision", None)) if args.model else DEMO_MODEL
     path = args._model_dir
-    if _is_gguf(path) and path.is_file():
+    if str(path).endswith(".gguf") and path.is_file():
         return path
     if not path.is_dir() or not (path / "config.json").is_file():
         what = "--model" if args.model else "the bundled demo model (pass --model PATH)"
         raise FileNotFoundError(f"no model at {path} ({what}): expected a checkpoint folder with config.json, or a "
-                                ".gguf file")
-
+                                "kimi-k3 .gguf file")
     return path
 
 
@@ -162,21 +144,15 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
     import torch
 
     import kimik3
-    from kimik3.config import K3Config
+    from kimik3.checkpoint.source import read_config, read_tokenizer
     from kimik3.inference.threads import pick_cpu_threads
     from kimik3.quant import relayout_experts
-    from kimik3.tokenizer import Tokenizer
 
     path = model_path(args)
-    if _is_gguf(path):  # llama.cpp's format: config and vocabulary from its metadata (docs/gguf.md)
-        from kimik3.checkpoint.gguf_read import open_gguf
-
-        source = open_gguf(path)
-        cfg, tokenizer = source.config(), source.tokenizer()
-    else:
-        cfg, tokenizer = K3Config.from_file(path / "config.json"), _tokenizer(Tokenizer, path)
+    cfg = read_config(path)
     check_request(args, cfg, images=bool(vision))
     sampling_params(args)  # bad sampling values fail before the (long) load
+    tokenizer = read_tokenizer(path)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     # None with images too: a config with a vision_config over shards without its tensors loads as text
@@ -203,18 +179,6 @@ def load_model_and_tokenizer(args, *, vision: bool | None = False):
                          "it reads text only")
     pick_cpu_threads(model, device, getattr(args, "threads", None))
     return model, tokenizer, path
-
-
-def _is_gguf(path: Path) -> bool:
-    return path.suffix == ".gguf"
-
-
-def _tokenizer(cls, path: Path):
-    file = path / "tiktoken.model"
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: the model folder has no tokenizer (tiktoken.model); copy the one the "
-                                "checkpoint was trained with next to config.json")
-    return cls.from_file(file)
 
 
 def _load_parallel(args, path: Path, dtype, device: str, text_only: bool | None):

@@ -24,18 +24,15 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from kimik3.checkpoint import load, save
-    from kimik3.checkpoint.gguf_read import is_gguf, open_gguf
     from kimik3.checkpoint.hub import resolve
-    from kimik3.config import K3Config
+    from kimik3.checkpoint.source import is_gguf, read_config
 
     to = args.to or ("gguf" if str(args.dst).endswith(".gguf") else "safetensors")
     if to == "gguf" and not str(args.dst).endswith(".gguf"):
         raise ValueError(f"--to gguf: DST must be a file name ending in .gguf, got {args.dst}")
     experts = args.experts
-    if experts is None and is_gguf(args.src):
-        experts = open_gguf(args.src).config().storage.experts
-    elif experts is None and (resolve(args.src) / "config.json").is_file():
-        experts = K3Config.from_file(resolve(args.src) / "config.json").storage.experts
+    if experts is None and (is_gguf(args.src) or (resolve(args.src) / "config.json").is_file()):
+        experts = read_config(args.src if is_gguf(args.src) else resolve(args.src)).storage.experts
     # the whole model is in memory before anything is written, so DST may be SRC (or overlap it); the
     # tokenizer, model card and generation_config.json come along from SRC. MXFP4 -> MXFP4 copies the packed
     # bytes; everything else goes through the dense weights

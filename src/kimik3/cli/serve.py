@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import os
 import sys
@@ -42,10 +41,9 @@ def add_parser(sub) -> None:
 
 def _generation_defaults(path) -> dict:
     """Sampling defaults from the checkpoint's generation_config.json (the fields a request may leave unset)."""
-    from kimik3.checkpoint.folder import GENERATION_CONFIG
+    from kimik3.checkpoint.source import read_generation_config
 
-    file = path / GENERATION_CONFIG
-    gen = json.loads(file.read_text()) if file.is_file() else {}
+    gen = read_generation_config(path)[1]
     return {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
 
 
@@ -67,14 +65,14 @@ def adapters(args) -> dict[str, str]:
 
 def check_args(args, path):
     """Every flag checked before anything starts (the engine's against the checkpoint's config): the config."""
-    from kimik3.config import K3Config
+    from kimik3.checkpoint.source import read_config as model_config
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.max_pending < 1:
         raise ValueError(f"--max-pending must be at least 1, got {args.max_pending}")
     args.adapters = adapters(args)
-    positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
+    positions = model_config(path).text.max_position_embeddings
     return engine_config(args, positions, warmup=True)
 
 
@@ -84,16 +82,16 @@ def build_engine(args, path, config=None):
     import torch
 
     import kimik3
+    from kimik3.checkpoint.source import read_tokenizer
     from kimik3.cli.common import end_ids
     from kimik3.inference.engine import Engine
     from kimik3.inference.threads import pick_cpu_threads
     from kimik3.quant import relayout_experts
-    from kimik3.tokenizer import Tokenizer
 
     config = config or check_args(args, path)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else None)
-    tokenizer = Tokenizer.from_file(path)
+    tokenizer = read_tokenizer(path)
     served = getattr(args, "adapters", None) or {}
     # adapters on routed experts run over the stored MXFP4 codes (kimik3.lora.serving)
     model = kimik3.load(path, dtype=dtype, device=device, text_only=True, quiet=True,
