@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from kimik3.checkpoint.keys import TEXT_PREFIX
 from kimik3.config import K3Config
 
@@ -175,7 +177,7 @@ def metadata(cfg: K3Config) -> dict[str, object]:
     }
 
 
-def hf_config(kv: dict[str, object], bos: int | None, eos: int | None, pad: int | None) -> dict:
+def hf_config(kv: dict[str, object], bos: int | None, eos: int | None, pad: int | None, media: int) -> dict:
     """A text-only config.json rebuilt from a `kimi-k3` GGUF's hyperparameters (a file without kimik3's own
     `kimik3.config_json`, such as llama.cpp's converter writes). Raises KeyError naming a missing key."""
     a = ARCH
@@ -183,7 +185,9 @@ def hf_config(kv: dict[str, object], bos: int | None, eos: int | None, pad: int 
     def get(key: str):
         if f"{a}.{key}" not in kv:
             raise KeyError(f"{a}.{key}")
-        return kv[f"{a}.{key}"]
+        value = kv[f"{a}.{key}"]
+        # GGUF floats are float32: its shortest decimal gives back the config's number (1e-05, not 9.99999975e-06)
+        return float(str(np.float32(value))) if isinstance(value, float) else value
 
     kinds = list(get("attention.head_count_kv"))
     layers = len(kinds)
@@ -224,5 +228,5 @@ def hf_config(kv: dict[str, object], bos: int | None, eos: int | None, pad: int 
     if text["max_position_embeddings"] is None:
         del text["max_position_embeddings"]
     return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "bos_token_id": bos,
-            "eos_token_id": eos, "pad_token_id": pad, "tie_word_embeddings": False, "dtype": "bfloat16",
-            "text_config": text}
+            "eos_token_id": eos, "pad_token_id": pad, "media_placeholder_token_id": media,
+            "tie_word_embeddings": False, "dtype": "bfloat16", "text_config": text}

@@ -102,7 +102,8 @@ class GGUFModel:
         tok = self.tokenizer()
         try:
             hf = hf_config(self.kv, tok.bos_id, self.kv.get("tokenizer.ggml.eos_token_id", tok.eos_id),
-                           self.kv.get("tokenizer.ggml.padding_token_id", tok.pad_id))
+                           self.kv.get("tokenizer.ggml.padding_token_id", tok.pad_id),
+                           tok.encode_special("<|media_pad|>"))
         except KeyError as e:
             raise ValueError(f"{self.path}: metadata key {e} is missing (a kimi-k3 GGUF carries llama.cpp's "
                              "hyperparameters)") from None
@@ -150,13 +151,12 @@ class GGUFModel:
 def open_gguf(path: str | Path) -> GGUFModel:
     """The GGUF at `path`, read once per file version: a command asks for its config, tokenizer, sampling
     defaults and tensors in turn, and parsing the metadata of a 163k-token vocabulary takes seconds."""
-    path = Path(path)
-    stat = path.stat() if path.is_file() else None
-    return _open(path.resolve() if stat else path, stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
+    parts = gguf_parts(path)
+    return _open(Path(path), tuple((p.resolve(), p.stat().st_mtime_ns, p.stat().st_size) for p in parts))
 
 
 @lru_cache(maxsize=2)
-def _open(path: Path, mtime_ns: int, size: int) -> GGUFModel:
+def _open(path: Path, versions: tuple) -> GGUFModel:
     return GGUFModel(path)
 
 

@@ -24,13 +24,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from kimik3.checkpoint.folder import GENERATION_CONFIG, LOADED_FROM, fsync_dir
+from kimik3.checkpoint.folder import LOADED_FROM, fsync_dir
 from kimik3.checkpoint.gguf_keys import ARCH, CONFIG_KEY, F32_NAMES, GENERATION_KEY, UNFOLDED, Entry, metadata, plan
 from kimik3.checkpoint.gguf_mxfp4 import to_ggml
 from kimik3.checkpoint.gguf_vocab import PRE, vocab_metadata
 from kimik3.checkpoint.inventory import parse_dtype, stored_dtype, without_vision
 from kimik3.checkpoint.keys import checkpoint_prefix, is_vision_key
 from kimik3.checkpoint.progress import progress_bar, wanted
+from kimik3.checkpoint.source import is_gguf, read_generation_config, read_tokenizer
 from kimik3.checkpoint.writer import TOKENIZER, _config_json, _config_of, parse_size
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.ops.mxfp4 import encode
@@ -54,8 +55,8 @@ def save_gguf(model: nn.Module, path: str | Path, *, experts: str | None = None,
             as the model holds them (packed -> MXFP4 blocks, dense -> dense).
         dtype: stored dtype outside the F32 tensors; None = the config's.
         max_shard_size: split into gguf-split files of at most this many bytes (one tensor may exceed it).
-        config, source, quiet: as `kimik3.save`; the tokenizer (`tiktoken.model`) and generation_config.json
-            come from `source` (default: the folder the model was loaded from).
+        config, source, quiet: as `kimik3.save`; the tokenizer and sampling defaults come from `source` (a
+            checkpoint folder, a GGUF, or a rank file; default: where the model was loaded from).
 
     Raises:
         ValueError: no tokenizer to embed, a LoRA adapter on the model, a bad size, or a destination that is a
@@ -73,8 +74,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, experts: str | None = None,
     limit = parse_size(max_shard_size) if max_shard_size is not None else 0
     cfg = _config_of(model, config)
     dtype = parse_dtype(dtype) or stored_dtype(cfg)
-    folder = Path(source) if source is not None else getattr(model, LOADED_FROM, None)
-    tokenizer_file = _tokenizer_file(folder)
+    tok, gen = _tokenizer_and_sampling(source if source is not None else getattr(model, LOADED_FROM, None))
     prefix = checkpoint_prefix(model)
     state = {prefix + n: t for n, t in model.state_dict().items() if not is_vision_key(prefix + n)}
     entries = plan(list(state), cfg)
@@ -83,7 +83,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, experts: str | None = None,
     stored = _stored_dtypes(cfg, dtype)
 
     w = gguf.GGUFWriter(None, ARCH, split_max_size=limit)
-    _add_metadata(w, cfg, dtype, as_mxfp4, Tokenizer.from_file(tokenizer_file), folder, path.stem)
+    _add_metadata(w, cfg, dtype, as_mxfp4, tok, gen, path.stem)
     w.add_string(CONFIG_KEY, json.dumps(_config_json(cfg, "mxfp4" if as_mxfp4 else "bf16", dtype, False)))
     for e in entries:
         if e.kind in ("a", "res"):
@@ -115,13 +115,18 @@ def save_gguf(model: nn.Module, path: str | Path, *, experts: str | None = None,
     return _publish_files(path, write)
 
 
-def _tokenizer_file(folder) -> Path:
-    file = Path(folder) if folder is not None and Path(folder).is_file() else (
-        Path(folder) / TOKENIZER if folder is not None else None)
-    if file is None or not file.is_file():
-        raise ValueError(f"GGUF export needs the model's tokenizer: no {TOKENIZER} in {folder} (pass source= a "
-                         "checkpoint folder or rank file; a model loaded with kimik3.load uses its folder's)")
-    return file
+def _tokenizer_and_sampling(source) -> tuple[Tokenizer, dict]:
+    """The tokenizer and generation_config of `source`: a checkpoint folder, a GGUF, or a tokenizer rank file."""
+    if source is not None and Path(source).is_file() and not is_gguf(source):
+        return Tokenizer.from_file(source), {}
+    try:
+        if source is None:
+            raise FileNotFoundError("no source")
+        return read_tokenizer(source), read_generation_config(source)[1]
+    except FileNotFoundError:
+        raise ValueError(f"GGUF export needs the model's tokenizer: {source} has no {TOKENIZER} (pass source= a "
+                         "checkpoint folder, GGUF or rank file; a model from kimik3.load uses where it came from)"
+                         ) from None
 
 
 def _stored_dtypes(cfg, dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -202,7 +207,7 @@ def _as_numpy(t: Tensor, ggml_type) -> np.ndarray:
     return t.to(torch.float32 if ggml_type == gguf.GGMLQuantizationType.F32 else torch.float16).contiguous().numpy()
 
 
-def _add_metadata(w: gguf.GGUFWriter, cfg, dtype: torch.dtype, as_mxfp4: bool, tok: Tokenizer, folder,
+def _add_metadata(w: gguf.GGUFWriter, cfg, dtype: torch.dtype, as_mxfp4: bool, tok: Tokenizer, gen: dict,
                   name: str) -> None:
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(name)
@@ -217,26 +222,26 @@ def _add_metadata(w: gguf.GGUFWriter, cfg, dtype: torch.dtype, as_mxfp4: bool, t
             w.add_float32(key, value)
         else:
             w.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
-    if tok.vocab_size != cfg.text.vocab_size:
-        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.text.vocab_size}")
-    vocab = vocab_metadata(tok)
+    vocab = vocab_metadata(tok, cfg.text.vocab_size)
+    size = cfg.text.vocab_size
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(PRE)
     w.add_token_list(vocab["tokens"])
     w.add_token_types(vocab["token_type"])
     w.add_token_merges(vocab["merges"])
-    w.add_bos_token_id(tok.bos_id)
     # the model's end of text (the release: <|end_of_msg|>; the demo, trained on documents: [EOS]), and the
-    # end of a chat turn, which llama.cpp also stops on
-    w.add_eos_token_id(cfg.eos_token_id if cfg.eos_token_id is not None else tok.eos_id)
-    w.add_eot_token_id(tok.eos_id)
-    w.add_pad_token_id(cfg.pad_token_id if cfg.pad_token_id is not None else tok.pad_id)
-    w.add_unk_token_id(tok.num_ranks + SPECIAL_OFFSETS["[UNK]"])
+    # end of a chat turn, which llama.cpp also stops on; ids past a small model's rows are left out
+    ids = {w.add_bos_token_id: tok.bos_id,
+           w.add_eos_token_id: cfg.eos_token_id if cfg.eos_token_id is not None else tok.eos_id,
+           w.add_eot_token_id: tok.eos_id,
+           w.add_pad_token_id: cfg.pad_token_id if cfg.pad_token_id is not None else tok.pad_id,
+           w.add_unk_token_id: tok.num_ranks + SPECIAL_OFFSETS["[UNK]"]}
+    for add, token_id in ids.items():
+        if token_id < size:
+            add(token_id)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
-    gen_file = Path(folder) / GENERATION_CONFIG if folder is not None and Path(folder).is_dir() else None
-    if gen_file is not None and gen_file.is_file():
-        gen = json.loads(gen_file.read_text())
+    if gen:
         w.add_string(GENERATION_KEY, json.dumps(gen))
         for key, gguf_key in _SAMPLING.items():
             if isinstance(gen.get(key), (int, float)) and not isinstance(gen.get(key), bool):

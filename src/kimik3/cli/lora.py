@@ -10,7 +10,8 @@ def add_parser(sub) -> None:
     m.add_argument("base", help="the base checkpoint folder the adapter was trained on")
     m.add_argument("adapter", help="adapter folder (adapter_config.json + adapter_model.safetensors), e.g. "
                                    "RUN/checkpoints/step-*/adapter")
-    m.add_argument("out", help="destination checkpoint folder (replaced atomically if it is one)")
+    m.add_argument("out", help="destination checkpoint folder (replaced atomically if it is one), or OUT.gguf for "
+                               "llama.cpp's kimi-k3 GGUF (docs/gguf.md)")
     m.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
                    help="routed experts merged dense (bf16, default) or re-encoded to MXFP4 (lossy: the relative "
                         "error is printed)")
