@@ -8,27 +8,26 @@ from __future__ import annotations
 import json
 import shutil
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-
-import kimik3  # noqa: E402
-from kimik3 import lora  # noqa: E402
-from kimik3.checkpoint import gguf_write  # noqa: E402
-from kimik3.checkpoint.gguf_mxfp4 import from_ggml, to_ggml  # noqa: E402
-from kimik3.checkpoint.gguf_read import open_gguf  # noqa: E402
-from kimik3.checkpoint.gguf_write import save_gguf  # noqa: E402
-from kimik3.checkpoint.inventory import without_vision  # noqa: E402
-from kimik3.cli import main  # noqa: E402
-from kimik3.model import K3ForConditionalGeneration  # noqa: E402
-from kimik3.ops.mxfp4 import decode  # noqa: E402
-from kimik3.presets import DEMO_MODEL, PACKAGE_DIR  # noqa: E402
-from kimik3.quant import pack_experts  # noqa: E402
-from kimik3.tokenizer import CHAT_TEMPLATE, Tokenizer  # noqa: E402
-from tests.helpers import randomize  # noqa: E402
-from tests.lora.conftest import randomize_adapter  # noqa: E402
+import kimik3
+from kimik3 import lora
+from kimik3.checkpoint import gguf_write
+from kimik3.checkpoint.gguf_mxfp4 import from_ggml, to_ggml
+from kimik3.checkpoint.gguf_read import open_gguf
+from kimik3.checkpoint.gguf_write import save_gguf
+from kimik3.checkpoint.inventory import without_vision
+from kimik3.cli import main
+from kimik3.model import K3ForConditionalGeneration
+from kimik3.ops.mxfp4 import decode
+from kimik3.presets import DEMO_MODEL, PACKAGE_DIR
+from kimik3.quant import pack_experts
+from kimik3.tokenizer import CHAT_TEMPLATE, Tokenizer
+from tests.helpers import randomize
+from tests.lora.conftest import randomize_adapter
 
 BYTES = PACKAGE_DIR / "configs" / "train" / "bytes.tiktoken"
 

@@ -22,6 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kimik3.checkpoint.keys import TEXT_PREFIX
+
+try:  # the format's own library (llama.cpp's gguf-py), the `gguf` extra; gguf_read and gguf_write take it from here
+    import gguf  # noqa: F401
+except ImportError:  # a ValueError: the command line shows it as one line
+    raise ValueError("GGUF files need the gguf package: pip install 'kimik3[gguf]'") from None
 from kimik3.config import K3Config
 
 ARCH = "kimi-k3"

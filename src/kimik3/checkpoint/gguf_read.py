@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 from torch import Tensor
 
 from kimik3.checkpoint.folder import GENERATION_CONFIG, LOADED_FROM
-from kimik3.checkpoint.gguf_keys import ARCH, CONFIG_KEY, GENERATION_KEY, UNFOLDED, Entry, hf_config, plan
+from kimik3.checkpoint.gguf_keys import ARCH, CONFIG_KEY, GENERATION_KEY, UNFOLDED, Entry, gguf, hf_config, plan
 from kimik3.checkpoint.gguf_mxfp4 import from_ggml
 from kimik3.checkpoint.gguf_vocab import ranks_from_tokens, write_ranks
 from kimik3.checkpoint.inventory import parse_dtype, stored_dtype

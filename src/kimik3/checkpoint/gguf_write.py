@@ -19,13 +19,22 @@ import shutil
 import uuid
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from kimik3.checkpoint.folder import LOADED_FROM, fsync_dir
-from kimik3.checkpoint.gguf_keys import ARCH, CONFIG_KEY, F32_NAMES, GENERATION_KEY, UNFOLDED, Entry, metadata, plan
+from kimik3.checkpoint.gguf_keys import (
+    ARCH,
+    CONFIG_KEY,
+    F32_NAMES,
+    GENERATION_KEY,
+    UNFOLDED,
+    Entry,
+    gguf,
+    metadata,
+    plan,
+)
 from kimik3.checkpoint.gguf_mxfp4 import to_ggml
 from kimik3.checkpoint.gguf_vocab import PRE, vocab_metadata
 from kimik3.checkpoint.inventory import parse_dtype, stored_dtype, without_vision
