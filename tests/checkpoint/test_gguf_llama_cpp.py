@@ -5,6 +5,7 @@
     llama.cpp's own converter's GGUF of the demo loads in kimik3 (experts byte for byte) and holds the same bytes
         as kimik3's export, tensor for tensor
     the chat template inside the GGUF renders encode_chat's prompt in llama-cpp-python's chat formatter
+    a routed-expert adapter exported with `kimik3 lora export` changes llama.cpp's logits as it changes kimik3's
 
 Each test prints its numbers (run with -s to read them); docs/gguf.md quotes them.
 """
@@ -20,6 +21,7 @@ import torch
 import kimik3
 from kimik3.checkpoint.gguf_read import open_gguf
 from kimik3.checkpoint.gguf_write import save_gguf
+from kimik3.cli import main
 from kimik3.presets import DEMO_MODEL
 from kimik3.tokenizer import Tokenizer, render_chat
 from tests.checkpoint.test_gguf import differing
@@ -123,3 +125,22 @@ def test_gguf_chat_template_renders_encode_chat_in_llama_cpp_python(demo_gguf):
         extra = {k: v for k, v in kwargs.items() if k not in ("tools", "tool_choice", "add_generation_prompt")}
         got = fmt(messages=messages, tools=kwargs.get("tools"), tool_choice=kwargs.get("tool_choice"), **extra).prompt
         assert got == render_chat(messages, **kwargs), case
+
+
+def test_expert_lora_gguf_applies_in_llama_cpp(demo_gguf, tmp_path):
+    """`kimik3 lora export`'s GGUF on kimik3's GGUF: llama.cpp's logits with the adapter are kimik3's with it."""
+    from tests.lora.test_gguf_export import adapter_on
+
+    model, folder = adapter_on(["*.block_sparse_moe.experts"], tmp_path / "adapter", seed=2)
+    assert main(["lora", "export", str(folder), str(tmp_path / "adapter.gguf")]) == 0
+    llm = llama_cpp().Llama(model_path=str(demo_gguf), lora_path=str(tmp_path / "adapter.gguf"), n_ctx=256,
+                            logits_all=True, n_threads=2, verbose=False)
+    base = kimik3.load(DEMO_MODEL, dtype=torch.float32, quiet=True).eval()
+    ids = Tokenizer.from_file(DEMO_MODEL).encode(PROMPTS[2])
+    with torch.no_grad():
+        want, plain = model.eval()(torch.tensor([ids]))[0].numpy(), base(torch.tensor([ids]))[0].numpy()
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)])
+    diff, effect = float(np.abs(got - want).max()), float(np.abs(want - plain).max())
+    print(json.dumps({"lora_max_logit_diff": diff, "adapter_effect": effect}))
+    assert diff < 0.1 < effect

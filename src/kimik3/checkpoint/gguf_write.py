@@ -116,12 +116,9 @@ def save_gguf(model: nn.Module, path: str | Path, *, experts: str | None = None,
                 data = _produce(e, state, stored, dtype, as_mxfp4, cfg)
                 w.write_tensor_data(data)
                 advance(data.nbytes)
-        for f in w.fout or []:
-            f.flush()
-            os.fsync(f.fileno())
         w.close()
 
-    return _publish_files(path, write)
+    return publish_files(path, write)
 
 
 def _tokenizer_and_sampling(source) -> tuple[Tokenizer, dict]:
@@ -257,15 +254,18 @@ def _add_metadata(w: gguf.GGUFWriter, cfg, dtype: torch.dtype, as_mxfp4: bool, t
                 (w.add_int32 if key == "top_k" else w.add_float32)(gguf_key, gen[key])
 
 
-def _publish_files(path: Path, write) -> list[Path]:
-    """`write(tmp)` fills a hidden sibling folder with the GGUF file(s); they are renamed next to `path` when all
-    are complete. On any error (Ctrl-C included) the folder is removed and nothing at `path` changes."""
+def publish_files(path: Path, write) -> list[Path]:
+    """`write(tmp)` fills a hidden sibling folder with the GGUF file(s); they are fsynced and renamed next to `path`
+    when all are complete. On any error (Ctrl-C included) the folder is removed and nothing at `path` changes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         write(tmp)
         files = sorted(tmp.iterdir())
+        for f in files:
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
         for f in files:
             os.replace(f, path.parent / f.name)
         fsync_dir(path.parent)
