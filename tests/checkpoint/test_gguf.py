@@ -245,3 +245,37 @@ def test_gguf_destination_must_be_a_gguf_file(tmp_path):
     shutil.copy(BYTES, tmp_path / "bytes.tiktoken")
     with pytest.raises(ValueError, match="tokenizer"):
         save_gguf(model, tmp_path / "o.gguf", source=tmp_path / "nothing-here")
+
+
+def test_every_model_flag_reads_gguf(demo_gguf, tmp_path, capsys, monkeypatch):
+    """chat, generate --input, serve's checks and defaults, and eval's harness take a .gguf as they take a folder."""
+    import builtins
+
+    from kimik3.cli.serve import _generation_defaults
+    from kimik3.hf.harness import KimiK3LM
+
+    lines = iter(["hello", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    assert main(["chat", "--model", str(demo_gguf), "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "ROMEO:"}) + "\n")
+    assert main(["generate", "--model", str(demo_gguf), "--input", str(src), "--output", str(dst),
+                 "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert len(json.loads(dst.read_text())["choices"][0]["token_ids"]) == 4
+    assert _generation_defaults(demo_gguf) == {"temperature": 0.8, "top_p": 0.95}
+    harness = KimiK3LM(pretrained=str(demo_gguf), dtype="float32")
+    assert harness.tok.encode("ROMEO:") == Tokenizer.from_file(DEMO_MODEL).encode("ROMEO:")
+
+
+def test_gguf_commands_never_write_over_or_into_their_inputs(demo_gguf, tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(DEMO_MODEL, folder)
+    parts = save_gguf(kimik3.load(demo_gguf, keep_experts_packed=True, quiet=True), tmp_path / "s.gguf",
+                      max_shard_size="8MB", source=demo_gguf, quiet=True)
+    before = {p: p.stat().st_mtime_ns for p in parts}
+    for args in (["convert", str(folder), str(folder / "model.gguf")], ["convert", str(parts[0]), str(parts[2])],
+                 ["lora", "merge", str(folder), str(tmp_path / "adapter"), str(folder / "m.gguf")]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "the output would be written" in err and err.count("\n") == 1, err
+    assert not list(folder.glob("*.gguf")) and before == {p: p.stat().st_mtime_ns for p in parts}

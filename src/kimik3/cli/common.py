@@ -201,3 +201,20 @@ def _load_parallel(args, path: Path, dtype, device: str, text_only: bool | None)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     loader = load_tensor_parallel if args.parallel == "tp" else load_expert_parallel
     return loader(path, dtype=dtype, device=env.device, text_only=text_only, quiet=not env.is_main).eval()
+
+
+def refuse_overlap(output, *inputs) -> None:
+    """A GGUF output that is an input (a file or split part of it) or lies inside an input folder is refused: a
+    command never writes over or into what it reads. (Issue 42 adds this rule for every writing command; this is
+    the GGUF commands' share of it, for that check to absorb.)"""
+    from kimik3.checkpoint.gguf_read import gguf_parts
+
+    out = Path(output).resolve()
+    for given in inputs:
+        if given is None or not Path(given).exists():
+            continue
+        paths = gguf_parts(given) if Path(given).is_file() and str(given).endswith(".gguf") else [Path(given)]
+        for p in (q.resolve() for q in paths):
+            if out == p or p in out.parents:
+                raise ValueError(f"{output}: the output would be written {'over' if out == p else 'inside'} the "
+                                 f"input {given}; write it elsewhere")

@@ -26,10 +26,13 @@ def run(args) -> int:
     from kimik3.checkpoint import load, save
     from kimik3.checkpoint.hub import resolve
     from kimik3.checkpoint.source import is_gguf, read_config
+    from kimik3.cli.common import refuse_overlap
 
     to = args.to or ("gguf" if str(args.dst).endswith(".gguf") else "safetensors")
     if to == "gguf" and not str(args.dst).endswith(".gguf"):
         raise ValueError(f"--to gguf: DST must be a file name ending in .gguf, got {args.dst}")
+    if to == "gguf":
+        refuse_overlap(args.dst, args.src)
     experts = args.experts
     if experts is None and (is_gguf(args.src) or (resolve(args.src) / "config.json").is_file()):
         experts = read_config(args.src if is_gguf(args.src) else resolve(args.src)).storage.experts

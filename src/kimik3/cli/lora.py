@@ -35,6 +35,10 @@ def run_merge(args) -> int:
     from kimik3.lora import merge_checkpoint
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    if str(args.out).endswith(".gguf"):
+        from kimik3.cli.common import refuse_overlap
+
+        refuse_overlap(args.out, args.base, args.adapter)
     report = merge_checkpoint(args.base, args.adapter, args.out, experts=args.experts, dtype=dtype, quiet=args.quiet)
     print(f"merged {report['modules']} LoRA modules into {args.out} (routed experts {report['experts']})")
     if report["reencode_rel_err"] is not None:
@@ -48,6 +52,7 @@ def run_export(args) -> int:
     from pathlib import Path
 
     from kimik3.checkpoint.source import read_config
+    from kimik3.cli.common import refuse_overlap
     from kimik3.lora.gguf_export import export_gguf
     from kimik3.lora.peft import CONFIG
 
@@ -57,6 +62,7 @@ def run_export(args) -> int:
         base = json.loads(config.read_text()).get("base_model_name_or_path") if config.is_file() else None
         if not base:
             raise ValueError(f"{args.adapter}: the adapter does not name its base model; pass --base BASE")
+    refuse_overlap(args.out, args.adapter, base)
     out = export_gguf(args.adapter, args.out, read_config(base).text.moe.num_experts)
     print(f"wrote {out}")
     return 0

@@ -37,7 +37,8 @@ class KimiK3LM(TemplateLM):
     """A kimik3 model for lm-eval.
 
     Args:
-        pretrained: a checkpoint folder or hub id (loaded with kimik3.load), or pass `model` and `tokenizer`.
+        pretrained: a checkpoint folder, .gguf file or hub id (loaded with kimik3.load), or pass `model` and
+            `tokenizer`.
         dtype: compute dtype (default float32 on the CPU, the checkpoint's on CUDA).
         device: cpu or cuda (default cuda when available).
         batch_size: sequences the engine runs at once (its max_num_seqs).
@@ -54,13 +55,14 @@ class KimiK3LM(TemplateLM):
             raise ValueError("KimiK3LM: pass pretrained=PATH (or a hub id), or model= and tokenizer=")
         if model is None:
             from kimik3.checkpoint.hub import resolve
+            from kimik3.checkpoint.source import read_tokenizer
 
             path = resolve(pretrained, revision)
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = dtype or (torch.float32 if device == "cpu" else None)
             model = kimik3.load(path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
                                 device=device, text_only=True, quiet=True).eval()
-            tokenizer = Tokenizer.from_file(path)
+            tokenizer = read_tokenizer(path)  # tiktoken.model, or a GGUF's vocabulary
         if tokenizer is None:
             raise ValueError("KimiK3LM: model= needs tokenizer= (a kimik3.tokenizer.Tokenizer)")
         self.model, self.tok = model, tokenizer
