@@ -44,7 +44,7 @@ TOP_LEVEL = ("cli", "__init__", "__main__")  # the faces: may import anything in
 FORBIDDEN_EXTERNAL = {"model": {"triton", "torch.distributed"}, "config": {"torch"}}
 # the hf and eval extras' libraries: only kimik3.hf (and the cli, lazily) may import them; the core never does
 HF_LIBRARIES = ("transformers", "peft", "lm_eval", "trl")
-# shipped into checkpoint folders for transformers' trust_remote_code, never imported by the package
+# shipped into checkpoint folders for transformers' trust_remote_code: standalone (test below); kimik3.hf extends it
 REMOTE_CODE = {"tokenizer/tokenization_kimi.py", "demo/k3-shakespeare/tokenization_kimi.py"}
 
 
@@ -111,3 +111,9 @@ def test_outer_rooms():
     for path in (ROOT / "tests").rglob("*.py"):
         bad += [(str(path.relative_to(ROOT)), n) for n in imports(path) if n.split(".")[0] in ("bench", "tools")]
     assert not bad, bad
+
+
+def test_remote_code_is_standalone():
+    """The tokenizer class a checkpoint folder carries runs where kimik3 is not installed."""
+    for rel in REMOTE_CODE:
+        assert not [n for n in imports(PKG / rel) if n.split(".")[0] in ("kimik3", "tests")], rel

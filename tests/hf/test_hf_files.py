@@ -58,3 +58,10 @@ def test_saved_folder_loads_without_remote_code_after_import(tmp_path):
     messages, kw = CHATS[0]
     assert tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False, **kw) == encode_chat(
         Tokenizer.from_file(out), messages, **kw)
+
+
+def test_the_remote_class_keeps_the_same_byte_table():
+    from kimik3.tokenizer.bpe import byte_chars
+    from kimik3.tokenizer.tokenization_kimi import _byte_chars
+
+    assert tuple(_byte_chars()) == byte_chars()

@@ -12,24 +12,13 @@
 from __future__ import annotations
 
 import base64
-from functools import lru_cache
 from pathlib import Path
 
 from kimik3.tokenizer import SPECIAL_OFFSETS, Tokenizer
+from kimik3.tokenizer.bpe import byte_chars
 
 NORMAL, CONTROL, UNUSED = 1, 3, 5
 PRE = "kimi-k2"
-
-
-@lru_cache(maxsize=1)
-def _byte_chars() -> tuple[str, ...]:
-    """GPT-2's bytes_to_unicode (what llama.cpp's BPE vocabularies are written in)."""
-    keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), 256))
-    chars, extra = [], 0
-    for b in range(256):
-        chars.append(chr(b) if b in keep else chr(256 + extra))
-        extra += b not in keep
-    return tuple(chars)
 
 
 def _merge_pair(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
@@ -47,7 +36,7 @@ def _merge_pair(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
 
 def vocab_metadata(tok: Tokenizer, size: int) -> dict[str, list]:
     """tokens, token types and merges of `tok` for a model with `size` embedding rows, as GGUF arrays."""
-    chars = _byte_chars()
+    chars = byte_chars()
     ranks = tok._enc._mergeable_ranks  # bytes -> rank: the tiktoken.model file
     by_rank = sorted(ranks, key=ranks.__getitem__)
     tokens = ["".join(chars[b] for b in t) for t in by_rank]
@@ -69,7 +58,7 @@ def vocab_metadata(tok: Tokenizer, size: int) -> dict[str, list]:
 def ranks_from_tokens(tokens: list[str], types: list[int], where: str) -> dict[bytes, int]:
     """The rank file's contents from a GGUF vocabulary in K3's layout (ranks, then the specials by name, perhaps
     cut at the model's size or followed by unused rows)."""
-    byte_of = {c: b for b, c in enumerate(_byte_chars())}
+    byte_of = {c: b for b, c in enumerate(byte_chars())}
     num_ranks = sum(1 for t in types if t == NORMAL)
     if any(t != NORMAL for t in types[:num_ranks]) or any(t == NORMAL for t in types[num_ranks:]):
         raise ValueError(f"{where}: the vocabulary is not K3's layout (ordinary tokens, then the special tokens)")
