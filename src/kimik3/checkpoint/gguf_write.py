@@ -35,7 +35,7 @@ from kimik3.checkpoint.gguf_keys import (
     metadata,
     plan,
 )
-from kimik3.checkpoint.gguf_mxfp4 import to_ggml
+from kimik3.checkpoint.gguf_mxfp4 import BLOCK_BYTES, to_ggml
 from kimik3.checkpoint.gguf_vocab import PRE, vocab_metadata
 from kimik3.checkpoint.inventory import parse_dtype, stored_dtype, without_vision
 from kimik3.checkpoint.keys import checkpoint_prefix, is_vision_key
@@ -184,7 +184,7 @@ def _produce(e: Entry, state: dict[str, Tensor], stored: dict[str, torch.dtype],
     src = state[e.sources[0]].detach().cpu()
     if e.kind == "experts":
         if len(e.sources) == 2 and as_mxfp4:
-            t = to_ggml(src, state[e.sources[1]].detach().cpu())
+            t = _blocks(src, state[e.sources[1]].detach().cpu())
         elif as_mxfp4:  # dense experts encoded on the way out (lossy, as `save(experts="mxfp4")`)
             t = to_ggml(*encode(src))
         else:
@@ -203,6 +203,15 @@ def _produce(e: Entry, state: dict[str, Tensor], stored: dict[str, torch.dtype],
     else:
         t = src
     return _as_numpy(t.reshape(shape), ggml_type)
+
+
+def _blocks(packed: Tensor, scale: Tensor, chunk: int = 32) -> Tensor:
+    """`to_ggml` over the stacked experts a few at a time: K3's w1 of one layer is 4.9 GB packed, and the repack's
+    intermediates would hold several times that at once."""
+    out = torch.empty((*packed.shape[:-1], scale.shape[-1] * BLOCK_BYTES), dtype=torch.uint8)
+    for e in range(0, packed.shape[0], chunk):
+        out[e:e + chunk] = to_ggml(packed[e:e + chunk], scale[e:e + chunk])
+    return out
 
 
 def _as_numpy(t: Tensor, ggml_type) -> np.ndarray:
