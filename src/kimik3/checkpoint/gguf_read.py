@@ -136,14 +136,15 @@ class GGUFModel:
 
     def tensor(self, name: str, lossy: dict[str, int]) -> Tensor:
         """A tensor's values: F32/F16/BF16 exactly, MXFP4 as its bytes, anything else dequantized to float32
-        (counted in `lossy`: type name -> elements)."""
+        (counted in `lossy`: what was not exact -> elements)."""
         t = self.tensors[name]
         if t.type == _T.MXFP4:
             return torch.from_numpy(np.array(t.data).reshape(*t.shape[:-1], -1))
         if t.type in _EXACT:
             raw = torch.from_numpy(np.array(t.data)).reshape(-1)  # a copy: the map is read-only
             return raw.view(torch.uint8).view(_EXACT[t.type]).reshape(t.shape)
-        lossy[t.type.name] = lossy.get(t.type.name, 0) + int(np.prod(t.shape))
+        what = f"{t.type.name} weights dequantized"
+        lossy[what] = lossy.get(what, 0) + int(np.prod(t.shape))
         return torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.type).reshape(t.shape))
 
 
@@ -200,10 +201,10 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | str | None = None, devic
                                      f"expects {list(state[name].shape)}")
                 state[name].copy_(value)
     if lossy and not quiet:
-        what = ", ".join(f"{n:,} {k} weights" for k, n in sorted(lossy.items()))
+        what = ", ".join(f"{n:,} {k}" for k, n in sorted(lossy.items()))
         size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        print(f"kimik3: {src.path.name}: dequantized {what} to {dtype} (not exact; the model takes "
-              f"{size / 2**30:.2f} GiB)", file=sys.stderr)
+        print(f"kimik3: {src.path.name}: {what} (not exact; the model takes {size / 2**30:.2f} GiB in "
+              f"{str(dtype).removeprefix('torch.')})", file=sys.stderr)
     setattr(model, LOADED_FROM, src.path)
     return model
 
@@ -253,6 +254,6 @@ def _experts(src: GGUFModel, e: Entry, t: Tensor, state: dict[str, Tensor], loss
         return {e.sources[0]: decode(packed, scale, state[e.sources[0]].dtype)}
     if packed_model:  # dense or other-quantized experts kept packed: encoded (lossy)
         packed, scale = encode(t)
-        lossy["MXFP4 re-encoding"] = lossy.get("MXFP4 re-encoding", 0) + t.numel()
+        lossy["expert weights re-encoded to MXFP4"] = lossy.get("expert weights re-encoded to MXFP4", 0) + t.numel()
         return {e.sources[0]: packed, e.sources[1]: scale}
     return {e.sources[0]: t}

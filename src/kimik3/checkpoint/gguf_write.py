@@ -38,10 +38,10 @@ from kimik3.checkpoint.gguf_keys import (
 from kimik3.checkpoint.gguf_mxfp4 import BLOCK_BYTES, to_ggml
 from kimik3.checkpoint.gguf_vocab import PRE, vocab_metadata
 from kimik3.checkpoint.inventory import parse_dtype, stored_dtype, without_vision
-from kimik3.checkpoint.keys import checkpoint_prefix, is_vision_key
+from kimik3.checkpoint.keys import checkpoint_prefix, checkpoint_specs, is_vision_key
 from kimik3.checkpoint.progress import progress_bar, wanted
 from kimik3.checkpoint.source import is_gguf, read_generation_config, read_tokenizer
-from kimik3.checkpoint.writer import TOKENIZER, _config_json, _config_of, parse_size
+from kimik3.checkpoint.writer import TOKENIZER, config_json, config_of, parse_size
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.ops.mxfp4 import encode
 from kimik3.tokenizer import CHAT_TEMPLATE, SPECIAL_OFFSETS, Tokenizer
@@ -81,7 +81,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, experts: str | None = None,
         raise ValueError(f"the model carries a LoRA adapter ({adapter}): merge it first (kimik3 lora merge ... "
                          "OUT.gguf writes the merged model as GGUF)")
     limit = parse_size(max_shard_size) if max_shard_size is not None else 0
-    cfg = _config_of(model, config)
+    cfg = config_of(model, config)
     dtype = parse_dtype(dtype) or stored_dtype(cfg)
     tok, gen = _tokenizer_and_sampling(source if source is not None else getattr(model, LOADED_FROM, None))
     prefix = checkpoint_prefix(model)
@@ -93,7 +93,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, experts: str | None = None,
 
     w = gguf.GGUFWriter(None, ARCH, split_max_size=limit)
     _add_metadata(w, cfg, dtype, as_mxfp4, tok, gen, path.stem)
-    w.add_string(CONFIG_KEY, json.dumps(_config_json(cfg, "mxfp4" if as_mxfp4 else "bf16", dtype, False)))
+    w.add_string(CONFIG_KEY, json.dumps(config_json(cfg, "mxfp4" if as_mxfp4 else "bf16", dtype, False)))
     for e in entries:
         if e.kind in ("a", "res"):
             for name in e.sources:
@@ -123,22 +123,20 @@ def save_gguf(model: nn.Module, path: str | Path, *, experts: str | None = None,
 
 def _tokenizer_and_sampling(source) -> tuple[Tokenizer, dict]:
     """The tokenizer and generation_config of `source`: a checkpoint folder, a GGUF, or a tokenizer rank file."""
-    if source is not None and Path(source).is_file() and not is_gguf(source):
+    missing = ValueError(f"GGUF export needs the model's tokenizer: {source} has no {TOKENIZER} (pass source= a "
+                         "checkpoint folder, GGUF or rank file; a model from kimik3.load uses where it came from)")
+    if source is None:
+        raise missing
+    if Path(source).is_file() and not is_gguf(source):
         return Tokenizer.from_file(source), {}
     try:
-        if source is None:
-            raise FileNotFoundError("no source")
         return read_tokenizer(source), read_generation_config(source)[1]
     except FileNotFoundError:
-        raise ValueError(f"GGUF export needs the model's tokenizer: {source} has no {TOKENIZER} (pass source= a "
-                         "checkpoint folder, GGUF or rank file; a model from kimik3.load uses where it came from)"
-                         ) from None
+        raise missing from None
 
 
 def _stored_dtypes(cfg, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """The dtype each tensor is stored in at `dtype` (the fp32 islands stay fp32), from a meta build."""
-    from kimik3.checkpoint.keys import checkpoint_specs
-
     with torch.device("meta"):
         twin = K3ForConditionalGeneration(without_vision(cfg), dtype)
     return {s.name: s.dtype for s in checkpoint_specs(twin, "bf16")}

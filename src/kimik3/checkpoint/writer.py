@@ -106,7 +106,7 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
         raise ValueError(f"the model carries a LoRA adapter ({adapter}): write it with kimik3.lora.save, or merge it "
                          "into the weights first (kimik3.lora.merge / kimik3 lora merge)")
     limit = parse_size(max_shard_size)
-    cfg = _config_of(model, config)
+    cfg = config_of(model, config)
     dtype = parse_dtype(dtype) or stored_dtype(cfg)
     path = Path(path)
     _check_replaceable(path)
@@ -129,7 +129,7 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
                 write_shard(tmp / name, shard, produce, advance)
         weight_map = {s.name: n for n, shard in zip(names, shards, strict=True) for s in shard}
         _write_json(tmp / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-        _write_json(tmp / CONFIG, _config_json(cfg, experts, dtype, with_vision))
+        _write_json(tmp / CONFIG, config_json(cfg, experts, dtype, with_vision))
         _write_json(tmp / GENERATION_CONFIG, _generation_config(cfg))
         for f in companions:  # a single file is the tokenizer, whatever it is called
             copy_durably(f, tmp / (TOKENIZER if Path(source).is_file() else f.name))
@@ -147,7 +147,8 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
     return publish_atomically(path, write, carry_over=lambda name: not is_checkpoint_file(name))
 
 
-def _config_of(model: nn.Module, config: K3Config | None) -> K3Config:
+def config_of(model: nn.Module, config: K3Config | None) -> K3Config:
+    """The K3Config a checkpoint of `model` records: `config`, else the model's (checked to describe the model)."""
     text = model.config.text if isinstance(model, K3ForConditionalGeneration) else model.config
     cfg = config if config is not None else model.config
     if not isinstance(cfg, K3Config):
@@ -238,7 +239,7 @@ class _Producer:
         return self._encoded[1] if key.part == "weight_packed" else self._encoded[2]
 
 
-def _config_json(cfg: K3Config, experts: ExpertFormat, dtype: torch.dtype, with_vision: bool) -> dict:
+def config_json(cfg: K3Config, experts: ExpertFormat, dtype: torch.dtype, with_vision: bool) -> dict:
     """config.json: the config's own dict with the storage record (dtype, quantization_config) as written."""
     hf = copy.deepcopy(cfg.hf)
     text = hf.get("text_config", hf)
