@@ -123,11 +123,14 @@ def test_prepare_chat_jsonl_then_train(tmp_path, capsys):
 
 
 def test_a_trainer_checkpoint_is_a_complete_model_folder(tmp_path, capsys):
-    """The run's tokenizer as tiktoken.model and its document separator as eos_token_id: `generate` takes it."""
+    """The run's tokenizer as tiktoken.model (with tokenizer_config.json) and its document separator as
+    eos_token_id: `generate` takes it."""
     toml = write_run(tmp_path)
     assert main(["train", str(toml)]) == 0
     model = tmp_path / "run" / "checkpoints" / "step-00000001" / "model"
     assert (model / "tiktoken.model").read_bytes() == Path(BYTES).read_bytes()
+    hf = json.loads((model / "tokenizer_config.json").read_text())  # the HF tokenizer files too (docs/model.md)
+    assert hf["tokenizer_class"] == "TikTokenTokenizer" and (model / "tokenization_kimi.py").is_file()
     eos = Tokenizer.from_file(BYTES).encode_special("[EOS]")
     assert eos == 257
     assert json.loads((model / "config.json").read_text())["eos_token_id"] == eos

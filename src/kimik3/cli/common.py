@@ -11,9 +11,9 @@ from pathlib import Path
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="checkpoint folder (config.json, shards, tiktoken.model) or a Hugging Face Hub id org/name "
-                        "(through the hub's cache; HF_HUB_OFFLINE=1 reads only the cache); default: the bundled "
-                        "demo model")
+                   help="checkpoint folder (config.json, shards, tiktoken.model), a kimi-k3 .gguf file, or a Hugging "
+                        "Face Hub id org/name (through the hub's cache; HF_HUB_OFFLINE=1 reads only the cache); "
+                        "default: the bundled demo model")
     p.add_argument("--revision", default=None, help="branch, tag or commit of a hub id (default: main)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
@@ -82,16 +82,20 @@ def sampling_params(args):
 
 
 def model_path(args) -> Path:
-    """The model folder: --model (a folder, or a hub id resolved once through the hub's cache), else the demo."""
+    """The model: --model (a folder, a .gguf file, or a hub id resolved once through the hub's cache), else the
+    demo."""
     from kimik3.checkpoint.hub import resolve
     from kimik3.presets import DEMO_MODEL
 
     if getattr(args, "_model_dir", None) is None:
         args._model_dir = resolve(args.model, getattr(args, "revision", None)) if args.model else DEMO_MODEL
     path = args._model_dir
+    if str(path).endswith(".gguf") and path.is_file():
+        return path
     if not path.is_dir() or not (path / "config.json").is_file():
         what = "--model" if args.model else "the bundled demo model (pass --model PATH)"
-        raise FileNotFoundError(f"no model at {path} ({what}): expected a checkpoint folder with config.json")
+        raise FileNotFoundError(f"no model at {path} ({what}): expected a checkpoint folder with config.json, or a "
+                                "kimi-k3 .gguf file")
     return path
 
 
@@ -118,15 +122,15 @@ def open_engine(args, base, *, vision: bool | None = False):
     defaults). With `args.parallel` (generate under torchrun) each rank loads its shards; only rank 0 prints."""
     import torch
 
+    from kimik3.checkpoint.source import read_config as model_config
+    from kimik3.checkpoint.source import read_tokenizer
     from kimik3.cli.engine_args import engine_config
-    from kimik3.config import K3Config
     from kimik3.inference import load_engine
-    from kimik3.inference.load import read_tokenizer
     from kimik3.inference.threads import check_threads
 
     check_threads(getattr(args, "threads", None), "--threads")
     path = model_path(args)
-    cfg = K3Config.from_file(path / "config.json")
+    cfg = model_config(path)
     if vision and cfg.vision is None:
         raise ValueError(f"--image: the model at {path} is text-only (its config.json has no vision_config); use "
                          "a checkpoint with a vision tower, or leave out the image")

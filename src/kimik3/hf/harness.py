@@ -27,7 +27,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from kimik3.config import K3Config
+from kimik3.checkpoint.source import read_config
 from kimik3.inference import SamplingParams, load_engine
 from kimik3.inference.engine import Engine, EngineConfig, Request
 from kimik3.inference.engine.request import accumulate
@@ -40,8 +40,8 @@ class KimiK3LM(TemplateLM):
     """A kimik3 model for lm-eval.
 
     Args:
-        pretrained: a checkpoint folder or hub id (loaded by `kimik3.inference.load_engine`), or pass `model` and
-            `tokenizer`.
+        pretrained: a checkpoint folder, .gguf file or hub id (loaded by `kimik3.inference.load_engine`), or pass
+            `model` and `tokenizer`.
         dtype: compute dtype (default float32 on the CPU, the checkpoint's on CUDA).
         device: cpu or cuda (default cuda when available).
         batch_size: sequences the engine runs at once (its max_num_seqs).
@@ -68,7 +68,7 @@ class KimiK3LM(TemplateLM):
             from kimik3.checkpoint.hub import resolve
 
             path = resolve(pretrained, revision)
-            positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
+            positions = read_config(path).text.max_position_embeddings
         else:
             positions = (model.config.text if hasattr(model.config, "text") else model.config).max_position_embeddings
         limit = max_length or (config.max_model_len - 2 if config.max_model_len else positions)

@@ -1,5 +1,5 @@
-"""`load_engine`: a checkpoint folder made ready to serve, the one loader of `serve`, `generate`, `chat`, batch files
-and the lm-eval harness.
+"""`load_engine`: a checkpoint folder (or a kimi-k3 GGUF) made ready to serve, the one loader of `serve`, `generate`,
+`chat`, batch files and the lm-eval harness.
 
     engine = load_engine("path/to/ckpt", EngineConfig(max_num_seqs=8))
     for events in engine_stream(engine, [engine.tokenizer.encode("ROMEO:")], SamplingParams()): ...
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from kimik3.checkpoint.source import read_tokenizer
 from kimik3.inference.engine import Engine, EngineConfig
 from kimik3.inference.threads import pick_cpu_threads
 from kimik3.tokenizer import Tokenizer
@@ -27,8 +28,8 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
                 adapters: dict[str, str | Path] | None = None, threads: int | None = None,
                 sync_tokens: Callable[[Tensor], object] | None = None, loader: Loader | None = None,
                 quiet: bool = True) -> Engine:
-    """The checkpoint at `path` (a folder, or a hub id already resolved to one) loaded for inference, with its
-    tokenizer, under an engine of `config`.
+    """The checkpoint at `path` (a folder, a hub id already resolved to one, or a kimi-k3 .gguf file) loaded for
+    inference, with its tokenizer, under an engine of `config`.
 
     Args:
         device: "cpu" or "cuda" (default: cuda when available).
@@ -41,8 +42,8 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
         loader: builds the model instead of `kimik3.load` (same keywords): a parallel loader.
 
     The model runs in eval mode; its routed experts are relaid for the MoE backend's kernels (Humming's where it
-    picks them) unless adapters need them packed. The engine's `tokenizer` is the folder's `tiktoken.model`, and
-    its end ids are the turn's end and the config's eos_token_id.
+    picks them) unless adapters need them packed. The engine's `tokenizer` is the folder's `tiktoken.model` (a
+    GGUF's vocabulary), and its end ids are the turn's end and the config's eos_token_id.
     """
     import kimik3
     from kimik3.quant import relayout_experts
@@ -69,14 +70,6 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
     pick_cpu_threads(model, device, threads)
     return Engine(model, config, eos_token_ids=end_ids(model, tokenizer), tokenizer=tokenizer, model_id=str(path),
                   adapters=adapters or None, sync_tokens=sync_tokens)
-
-
-def read_tokenizer(path: Path) -> Tokenizer:
-    file = path / "tiktoken.model"
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: the model folder has no tokenizer (tiktoken.model); copy the one the "
-                                "checkpoint was trained with next to config.json")
-    return Tokenizer.from_file(file)
 
 
 def end_ids(model: nn.Module, tok: Tokenizer) -> list[int]:
