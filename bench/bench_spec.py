@@ -2,7 +2,7 @@
 
 Rows, all in one call:
   demo      the demo model with its shipped drafter (and suffix decoding): mean accepted length on held-out
-            prompts, batch-1 greedy tokens/s with and without speculation;
+            prompts (DEMO_PROMPTS), batch-1 greedy tokens/s with and without speculation;
   oracle    slice-12 (random weights): an oracle proposer right with probability p (expected accepted length
             (1 - p^(k+1)) / (1 - p), k = 7: p = 0.5 and 0.72, 2.0 and 3.3): tokens/s at batch 1 and 8 vs no speculation
             (target: accepted length 3.3 at batch 1 >= 2.2x); then the same length from k = 3 drafts (p = 0.87: a
@@ -44,8 +44,10 @@ SIZES = {"device": dict(new=128, prompt=256, ps=(0.5, 0.72), k=7, short_k=3, bat
          "cpu-demo": dict(new=0, prompt=0, ps=(), k=7, short_k=3, batches=(), demo_new=48),
          "smoke": dict(new=12, prompt=40, ps=(0.5, 0.8), k=3, short_k=2, batches=(1, 2), demo_new=8)}
 HEADER = ["row", "accepted length", "tok/s off", "tok/s on", "speedup", "greedy vs off"]
-DEMO_PROMPTS = ["KING RICHARD III:\nNow is the winter of our discontent", "PORTIA:\nThe quality of mercy is not",
-                "MACBETH:\nTo-morrow, and to-morrow, and to-morrow,", "PROSPERO:\nOur revels now are ended."]
+# held out: openings from the demo's validation works (Othello, Twelfth Night, the Sonnets; recipes/demo/prepare.py),
+# which neither the demo model nor its drafter trained on
+DEMO_PROMPTS = ["OTHELLO:\nIt is the cause, it is the cause, my soul,", "IAGO:\nO, beware, my lord, of jealousy;",
+                "DUKE:\nIf music be the food of love, play on,", "XVIII\n\nShall I compare thee to a summer's day?"]
 
 
 def engine_for(model, prompts, new: int, graphs: bool | None, speculative=None) -> Engine:

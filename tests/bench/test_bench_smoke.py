@@ -133,3 +133,13 @@ def test_speculative_bench_smoke(tmp_path):
     assert copy["vs_copied_text"] == "exact" and copy["accepted_length"] > 2
     # the oracle rows on the token map: the fixed point is the run itself
     assert res["token map: oracle B=1 p=0.8"]["vs_its_reference"] == "exact"
+
+
+def test_engine_bench_compares_continuous_and_static_batching_pass_for_pass(tmp_path):
+    """The mixed row's ratios are like with like: the engine's first pass after its warm-up against static
+    batching's first, the engine's second against static's second (a second pass against a first flatters)."""
+    _run("bench.bench_engine", tmp_path, "--smoke", "--rows", "mixed")
+    mixed = json.loads((tmp_path / "bench_engine_smoke.json").read_text())["mixed"]
+    assert mixed["fresh_ratio"] == mixed["fresh_tokens_per_s"] / mixed["static_fresh_tokens_per_s"]
+    assert mixed["ratio"] == mixed["engine_tokens_per_s"] / mixed["static_tokens_per_s"]
+    assert mixed["static_fresh_tokens_per_s"] != mixed["static_tokens_per_s"]  # two timed passes, not one reused

@@ -1,5 +1,6 @@
 """A saved or converted checkpoint is complete and usable (tokenizer, model card, generation_config.json come
-along), converting in place or into an overlapping folder is safe, and nothing a user had is deleted."""
+along), `save` in place or into an overlapping folder is safe (the CLI refuses such an output:
+tests/cli/test_outputs.py), and nothing a user had is deleted."""
 
 import json
 
@@ -47,9 +48,13 @@ def test_save_from_a_tokenizer_file(dense_model, user_ck, tmp_path):
     assert not (tmp_path / "again").exists()
 
 
-def test_convert_in_place_keeps_everything_but_the_old_weights(user_ck, saved, tmp_path):
+def _save_over(src, dst) -> None:
+    save(load(src, quiet=True), dst, experts="bf16", quiet=True)
+
+
+def test_save_in_place_keeps_everything_but_the_old_weights(user_ck, saved, tmp_path):
     before = {p.name: p.read_bytes() for p in user_ck.iterdir() if p.suffix in (".model", ".md", ".txt", ".pt")}
-    assert main(["convert", str(user_ck), str(user_ck), "--experts", "bf16", "--quiet"]) == 0
+    _save_over(user_ck, user_ck)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no hidden siblings left
     assert {n: (user_ck / n).read_bytes() for n in before} == before
     report = inspect_checkpoint(user_ck)
@@ -58,18 +63,19 @@ def test_convert_in_place_keeps_everything_but_the_old_weights(user_ck, saved, t
     assert json.loads((user_ck / "generation_config.json").read_text()) == {"eos_token_id": 7, "temperature": 0.5}
 
 
-def test_convert_into_a_folder_inside_the_source(user_ck):
+def test_save_into_a_folder_inside_the_source(user_ck):
     inner = user_ck / "bf16"
-    assert main(["convert", str(user_ck), str(inner), "--experts", "bf16", "--quiet"]) == 0
+    _save_over(user_ck, inner)
     assert inspect_checkpoint(user_ck).ok and inspect_checkpoint(inner).ok
     assert (inner / "notes.txt").read_text() == "precious"  # copied, and the original is still there
     assert (user_ck / "notes.txt").read_text() == "precious"
 
 
-def test_convert_into_the_checkpoint_folder_that_holds_the_source(user_ck, saved):
-    """DST is a checkpoint folder and SRC lies inside it: the rewrite keeps SRC (and every non-weight file)."""
+def test_save_into_the_checkpoint_folder_that_holds_the_source(user_ck, saved):
+    """The destination is a checkpoint folder and the source lies inside it: the rewrite keeps the source (and
+    every non-weight file)."""
     inner = copy_of(saved, user_ck / "original")
-    assert main(["convert", str(inner), str(user_ck), "--experts", "bf16", "--quiet"]) == 0
+    _save_over(inner, user_ck)
     assert inspect_checkpoint(inner).ok and inspect_checkpoint(user_ck).ok
     assert (user_ck / "notes.txt").read_text() == "precious"
     assert_state_equal(load(inner, quiet=True), load(user_ck, quiet=True))

@@ -10,7 +10,7 @@ import pytest
 
 from kimik3.cli.engine_args import engine_config
 from kimik3.inference.engine import Engine, EngineConfig
-from kimik3.presets import DEMO_MODEL
+from kimik3.presets import DEMO_DRAFTER, DEMO_MODEL
 from tests.cli.test_robustness import run
 
 ROMEO = ["--prompt", "ROMEO:", "--temperature", "0", "--no-stream"]
@@ -98,11 +98,13 @@ def test_commands_differ_only_in_their_defaults():
 
 
 def test_speculative_rules_are_the_configs_with_the_flags_names(capsys):
-    for extra, message in ((["--num-speculative-tokens", "0"], "--num-speculative-tokens must be an integer >= 1"),
-                           ([], "--speculative-model is required with method 'draft'"),
-                           (["--speculative-model", "/nonexistent"], "--speculative-model /nonexistent: no such")):
-        rc, _, err = run(["generate", "--model", str(DEMO_MODEL), "--prompt", "x", "--speculative-method",
-                          "draft" if "--num-speculative-tokens" not in extra else "suffix", *extra], capsys)
+    # (draft without --speculative-model on the demo runs its shipped drafter: test_speculative_flags.py)
+    for method, extra, message in (
+            ("suffix", ["--num-speculative-tokens", "0"], "--num-speculative-tokens must be an integer >= 1"),
+            ("suffix", ["--speculative-model", str(DEMO_DRAFTER)], "--speculative-model is for method 'draft'"),
+            ("draft", ["--speculative-model", "/nonexistent"], "--speculative-model /nonexistent: no such")):
+        rc, _, err = run(["generate", "--model", str(DEMO_MODEL), "--prompt", "x", "--speculative-method", method,
+                          *extra], capsys)
         assert rc == 2 and message in err and "Traceback" not in err, err
 
 

@@ -107,7 +107,7 @@ def test_batch_never_overwrites_its_input_or_an_unasked_file(tmp_path, capsys):
     before = src.read_text()
     for out in (str(src), str(tmp_path / "." / "req.jsonl")):
         assert main(["generate", "--input", str(src), "--output", out, "--overwrite"]) == 2
-        assert "replace the requests" in capsys.readouterr().err and src.read_text() == before
+        assert "is --input" in capsys.readouterr().err and src.read_text() == before
     mine = tmp_path / "mine.jsonl"
     mine.write_text("keep\n")
     assert main(["generate", "--input", str(src), "--output", str(mine)]) == 2

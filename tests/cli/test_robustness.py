@@ -110,10 +110,18 @@ def test_cli_stops_at_the_context_with_a_note(text_ckpt, capsys):
     (["--max-num-batched-tokens", "8"], "--max-num-batched-tokens must be an integer >= 64"),
     (["--no-prefix-cache", "--prefix-cache-bytes", "100"], "--prefix-cache-bytes sizes the prefix cache"),
     (["--device", "banana"], "banana"),
+    (["--threads", "10000"], "--threads must be from 1 to"),  # torch took it and segfaulted in the first matmul
+    (["--threads", "0"], "--threads must be from 1 to"),
+    (["--stop", r"\xZZ"], r"--stop '\xZZ': malformed escape \xZZ: \x takes 2 hex digits"),
+    (["--stop", r"ab\u12"], r"\u takes 4 hex digits"),
 ])
-def test_generate_rejects_bad_values_before_loading(text_ckpt, capsys, extra, message):
+def test_generate_rejects_bad_values_before_loading(text_ckpt, capsys, monkeypatch, extra, message):
+    if extra[0] != "--device":  # the device is the loader's to check
+        monkeypatch.setattr(kimik3, "load", lambda *a, **k: pytest.fail("loaded before checking the flags"))
     rc, _, err = run(["generate", "--model", str(text_ckpt), "--prompt", "x", *extra], capsys)
+    # one error line (a deprecated alias's warning may come before it)
     assert rc == 2 and message in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 + err.count(": warning: "), err
 
 
 def test_a_misspelt_moe_backend_stops_before_loading(text_ckpt, capsys, monkeypatch):
@@ -144,6 +152,7 @@ def test_generate_bad_files(text_ckpt, capsys, tmp_path):
     m = ["--model", str(text_ckpt)]
     cases = [
         ([*m, "--prompt-file", str(tmp_path / "missing.txt")], "--prompt-file", "missing.txt: no such file"),
+        ([*m, "--prompt-file", str(tmp_path)], f"--prompt-file {tmp_path}: a folder; expected a UTF-8 text file"),
         ([*m, "--prompt-file", str(binary)], "p.bin: not UTF-8 text", ""),
         ([*m, "--prompt-file", str(empty)], "empty.txt: the prompt is empty", ""),
         ([*m, "--prompt", "x", "--image", str(notes)], "notes.png: not a readable image", ""),
@@ -176,15 +185,20 @@ def test_params_and_memory_bad_configs(capsys, tmp_path, command, config):
     assert rc == 2 and config in err and "Traceback" not in err, err
 
 
-def test_memory_notes_a_context_past_the_model(capsys):
-    rc, out, err = run(["memory", "tiny", "--context", "5000", "--json"], capsys)
-    assert rc == 0 and json.loads(out)["total"] > 0
-    assert "5,000 tokens exceed the model's 4,096 positions" in err
-    rc, _, err = run(["memory", "tiny", "--context", "4096"], capsys)
+def test_memory_refuses_a_context_past_the_model(capsys):
+    for context in ("5000", "99999999999999999999"):
+        rc, out, err = run(["memory", "tiny", "--context", context, "--json"], capsys)
+        assert rc == 2 and out == "" and "exceeds the model's 4,096 positions" in err and err.count("\n") == 1, err
+    rc, out, err = run(["memory", "tiny", "--context", "4096", "--json"], capsys)
     assert rc == 0 and err == ""
+    assert run(["memory", "tiny", "--json"], capsys)[1] == out  # the default: the model's positions when fewer
 
 
 def test_stop_escapes():
+    for bad in (r"\xZZ", r"a\x4", r"\u12g4"):
+        with pytest.raises(ValueError, match="malformed escape"):
+            unescape(bad)
+    assert unescape(r"\\xZZ") == r"\xZZ"  # an escaped backslash before x is no escape
     assert unescape(r"\n\n") == "\n\n"
     assert unescape(r"a\tb\r\\n") == "a\tb\r\\n"  # \\ is one backslash, so \\n stays a backslash and an n
     assert unescape(r"\x41\u00e9") == "Aé"

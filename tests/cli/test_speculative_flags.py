@@ -18,10 +18,28 @@ def test_generate_with_speculation_prints_the_same_text(capsys, extra):
     assert rc == rc2 == 0 and spec == plain and len(plain) > len(GEN[1]), err
 
 
+def test_the_demos_drafter_needs_no_path_and_verbose_reports_acceptance(capsys):
+    """From an installed wheel the shipped drafter has no path a user knows: `--speculative-method draft` on the
+    demo model picks it, `--speculative-model demo-draft` names it; `-v` prints the acceptance rate."""
+    rc, plain, _ = run(["generate", *GEN], capsys)
+    for extra in (["--speculative-method", "draft"], ["--speculative-method", "draft", "--speculative-model",
+                                                      "demo-draft"]):
+        rc2, spec, err = run(["generate", *GEN, *extra, "-v"], capsys)
+        assert rc == rc2 == 0 and spec == plain, err
+        (line,) = err.splitlines()
+        assert line.startswith("kimik3 generate: 12 tokens in ")
+        assert "speculative draft, k = 4: acceptance rate " in line and "mean accepted length" in line
+    rc, _, err = run(["generate", *GEN, "-v"], capsys)
+    assert rc == 0 and "acceptance" not in err and err.startswith("kimik3 generate: 12 tokens in ")
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--speculative-method", "suffix", "--num-speculative-tokens", "0"],
      "--num-speculative-tokens must be an integer >= 1"),
-    (["--speculative-method", "draft"], "--speculative-model is required with method 'draft'"),
+    (["--speculative-method", "draft"], "--speculative-method draft needs --speculative-model PATH (the drafter's "
+     "folder): no drafter ships with"),
+    (["--speculative-method", "draft", "--speculative-model", "demo-drafter"], "no drafter preset of that name "
+     "(presets: demo-draft)"),
     (["--num-speculative-tokens", "3"], "need --speculative-method"),
     (["--speculative-method", "draft", "--speculative-model", "/nonexistent"], "no such folder"),
     (["--speculative-method", "draft", "--speculative-model", str(DEMO_DRAFTER)], "speculative model"),

@@ -16,9 +16,11 @@ from kimik3.inference import SamplingParams, generate
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.presets import DEMO_MODEL, load_config
 from kimik3.tokenizer import Tokenizer
+from kimik3.tokenizer.hf_files import REMOTE_CODE, TOKENIZER_CONFIG, tokenizer_config
 
 FILES = {"config.json", "generation_config.json", "model.safetensors.index.json", "tiktoken.model",
-         "MODEL_CARD.md", "model-00001-of-000002.safetensors", "model-00002-of-000002.safetensors"}
+         "tokenizer_config.json", "tokenization_kimi.py", "MODEL_CARD.md", "model-00001-of-000002.safetensors",
+         "model-00002-of-000002.safetensors"}
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +28,13 @@ def model():
     return kimik3.load(DEMO_MODEL, quiet=True).eval()
 
 
+def tok_of_demo() -> Tokenizer:
+    return Tokenizer.from_file(DEMO_MODEL)
+
+
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer.from_file(DEMO_MODEL)
+    return tok_of_demo()
 
 
 def test_layout_size_and_exact_match_with_config():
@@ -36,6 +42,12 @@ def test_layout_size_and_exact_match_with_config():
     assert sum(p.stat().st_size for p in DEMO_MODEL.iterdir() if p.name != "MODEL_CARD.md") <= 25_000_000
     report = inspect_checkpoint(DEMO_MODEL)
     assert report.ok, report.lines()
+    # written as this implementation writes (A_log padded to 128 entries): inspect has nothing to remark on
+    assert report.notes == [], report.notes
+    # the HF tokenizer files are what kimik3 writes today (the template or remote class changed: regenerate them
+    # with kimik3.tokenizer.hf_files.write_hf_files(DEMO_MODEL, 4096))
+    assert json.loads((DEMO_MODEL / TOKENIZER_CONFIG).read_text()) == tokenizer_config(tok_of_demo(), 4096)
+    assert (DEMO_MODEL / REMOTE_CODE.name).read_bytes() == REMOTE_CODE.read_bytes()
     assert report.experts == "mxfp4" and report.by_dtype["U8"] > 0
 
 

@@ -1,14 +1,13 @@
 """lm-eval in process on kimik3's engine == full-forward loglikelihoods == lm-eval's `hf` backend == the server.
 
-The tasks are local (tests/hf/tasks: YAML + JSONL, nothing downloaded): multiple choice (loglikelihood), rolling
-loglikelihood, and greedy generate_until.
+The tasks are the package's examples (kimik3/hf/tasks: YAML + JSONL, nothing downloaded): multiple choice
+(loglikelihood), rolling loglikelihood, and greedy generate_until.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,19 +16,18 @@ pytest.importorskip("lm_eval", reason="lm-eval (the eval extra) is not installed
 
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from kimik3.hf.harness import EXAMPLE_TASKS as TASKS  # noqa: E402
 from kimik3.hf.harness import KimiK3LM  # noqa: E402
 from kimik3.inference import SamplingParams  # noqa: E402
 from kimik3.inference.generate import generate  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-TASKS = ROOT / "tests" / "hf" / "tasks"
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _offline_datasets(tmp_path_factory):
-    """Task data paths are relative to the repository root; datasets' cache in a tmp folder, offline."""
+    """datasets' cache in a tmp folder, offline; run from a folder that is not the repository (the example tasks
+    find their data beside themselves)."""
     old_cwd, old_env = os.getcwd(), dict(os.environ)
-    os.chdir(ROOT)
+    os.chdir(tmp_path_factory.mktemp("elsewhere"))
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                       HF_DATASETS_CACHE=str(tmp_path_factory.mktemp("datasets")))
     yield
@@ -155,9 +153,26 @@ def test_kimik3_eval_prints_the_table(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(TaskManager, include_defaults=False))
 
     out = tmp_path / "results.json"
-    code = main(["eval", "--tasks", "k3_mc,k3_ppl", "--include-path", str(TASKS), "--batch-size", "4",
-                 "--device", "cpu", "--output-path", str(out)])
+    # the example tasks need no --include-path, and run from any folder (the fixture's is not the repository)
+    code = main(["eval", "--tasks", "k3_mc,k3_ppl", "--batch-size", "4", "--device", "cpu", "--output-path", str(out)])
     printed = capsys.readouterr()
     assert code == 0, printed.err[-2000:]
     assert "k3_mc" in printed.out and "acc" in printed.out and "word_perplexity" in printed.out
     assert '"k3_mc"' in out.read_text()
+    assert "Custom kwargs" not in printed.err and "higher_is_better is not" not in printed.err
+
+
+def test_an_unknown_task_is_one_line_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    import lm_eval.tasks
+
+    import kimik3
+    from kimik3.cli import main
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(TaskManager, include_defaults=False))
+    monkeypatch.setattr(kimik3, "load", lambda *a, **k: pytest.fail("loaded the model before checking --tasks"))
+    assert main(["eval", "--tasks", "nonexistent_task,k3_mcq"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kimik3 eval: error: unknown lm-eval task 'nonexistent_task'") and err.count("\n") == 1
+    assert "'k3_mcq' (did you mean k3_mc?)" in err
+    assert main(["eval", "--tasks", "k3_mc", "--include-path", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere: no such folder" in capsys.readouterr().err

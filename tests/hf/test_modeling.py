@@ -129,6 +129,37 @@ def test_greedy_generate_equals_kimik3_generate(hf_model, hf_tok, k3_model, demo
         assert row[batch.input_ids.shape[1]:].tolist()[:len(w.token_ids)] == w.token_ids
 
 
+def test_generate_stops_at_the_models_positions_as_kimik3_generate_does(hf_model, hf_tok):
+    """A prompt past max_position_embeddings, or max_new_tokens that would run past it, is a ValueError before any
+    forward (transformers checks only its own max_length, which max_new_tokens overrides)."""
+    positions = hf_model.k3_config.text.max_position_embeddings
+    long = torch.randint(0, 8000, (1, positions + 10))
+    with pytest.raises(ValueError, match=f"a prompt of {positions + 10} tokens leaves no room for output within the "
+                                         f"model's {positions} positions"):
+        hf_model.generate(long, max_new_tokens=4)
+    ids = hf_tok("ROMEO:", return_tensors="pt").input_ids
+    with pytest.raises(ValueError, match=f"max_new_tokens 100000 exceed the model's {positions} positions .*lower "
+                                         f"max_new_tokens to {positions - ids.shape[1]}"):
+        hf_model.generate(ids, max_new_tokens=100000)
+    room = positions - ids.shape[1]
+    with pytest.raises(ValueError, match="exceed"):
+        hf_model.generate(ids, max_new_tokens=room + 1)
+    assert hf_model.generate(ids, max_new_tokens=2).shape[1] == ids.shape[1] + 2
+
+
+def test_generate_at_the_demos_defaults_is_quiet(hf_model, hf_tok, capfd):
+    """No 'flags not valid' (temperature, top_p without do_sample) and no 'max_new_tokens and max_length both
+    set': the demo's generation_config.json says it samples, and holds no max_length of its own."""
+    batch = hf_tok(["ROMEO:"], return_tensors="pt")
+    capfd.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf_model.generate(**batch, max_new_tokens=4)
+        hf_model.generate(**batch, max_new_tokens=4, do_sample=False)
+    err = capfd.readouterr().err
+    assert "not valid" not in err and "seem to have been set" not in err, err
+
+
 def test_sampling_with_a_seed_is_reproducible(hf_model, hf_tok):
     batch = hf_tok(["ROMEO:"], return_tensors="pt")
     runs = []

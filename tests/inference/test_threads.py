@@ -33,9 +33,13 @@ def test_large_model_and_gpu_keep_torch_default(threads):
 
 
 def test_user_choice_wins(threads, monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
     assert pick_cpu_threads(nn.Linear(8, 8), "cpu", requested=3) == 3
     torch.set_num_threads(2)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert pick_cpu_threads(nn.Linear(8, 8), "cpu") == 2
-    with pytest.raises(ValueError, match="threads"):
-        pick_cpu_threads(nn.Linear(8, 8), "cpu", requested=0)
+    # from 1 to the machine's CPUs: torch takes any count, and 10,000 crashed the process in its first matmul
+    for bad in (0, 5, 10_000):
+        with pytest.raises(ValueError, match=f"threads must be from 1 to 4 \\(this machine's CPUs\\), got {bad}"):
+            pick_cpu_threads(nn.Linear(8, 8), "cpu", requested=bad)
+    assert torch.get_num_threads() == 2

@@ -56,3 +56,30 @@ def test_generate_with_lora_changes_the_text_and_is_the_adapters(ckpt, adapter, 
     rc, _, err = run(args + ["--lora", str(tmp_path / "missing")], capsys)
     assert rc == 2 and "not an adapter folder" in err and "Traceback" not in err
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_adapter_is_one_line_naming_its_file(ckpt, adapter, tmp_path, capsys, damage):  # noqa: F811
+    """A truncated (or foreign) adapter_model.safetensors: one line naming the file from generate --lora, lora merge
+    and serve --lora, before the model loads; not the library's 34-line `incomplete metadata` traceback."""
+    folder, _ = adapter
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in folder.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    weights = bad / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x80\x04not safetensors at all")
+    commands = [["generate", "--model", str(ckpt), "--prompt", "ab", "--max-new-tokens", "2", "--lora", str(bad)],
+                ["lora", "merge", str(ckpt), str(bad), str(tmp_path / "m"), "--quiet"]]
+    try:
+        import uvicorn  # noqa: F401
+
+        commands.append(["serve", "--model", str(ckpt), "--port", "0", "--lora", f"x={bad}"])
+    except ImportError:
+        pass
+    for args in commands:
+        rc, _, err = run(args, capsys)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and str(weights) in err, (args[0], err)
+        assert ("truncated" if damage == "truncated" else "not a safetensors file") in err
+    assert not (tmp_path / "m").exists()

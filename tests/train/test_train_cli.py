@@ -123,11 +123,14 @@ def test_prepare_chat_jsonl_then_train(tmp_path, capsys):
 
 
 def test_a_trainer_checkpoint_is_a_complete_model_folder(tmp_path, capsys):
-    """The run's tokenizer as tiktoken.model and its document separator as eos_token_id: `generate` takes it."""
+    """The run's tokenizer as tiktoken.model (with tokenizer_config.json) and its document separator as
+    eos_token_id: `generate` takes it."""
     toml = write_run(tmp_path)
     assert main(["train", str(toml)]) == 0
     model = tmp_path / "run" / "checkpoints" / "step-00000001" / "model"
     assert (model / "tiktoken.model").read_bytes() == Path(BYTES).read_bytes()
+    hf = json.loads((model / "tokenizer_config.json").read_text())  # the HF tokenizer files too (docs/model.md)
+    assert hf["tokenizer_class"] == "TikTokenTokenizer" and (model / "tokenization_kimi.py").is_file()
     eos = Tokenizer.from_file(BYTES).encode_special("[EOS]")
     assert eos == 257
     assert json.loads((model / "config.json").read_text())["eos_token_id"] == eos
@@ -188,3 +191,44 @@ def test_no_progress_prints_a_log_line_every_log_every_steps(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "resumed from step 3" in err
     assert [int(s) for s, _, _ in re.findall(r"step (\d+)/5: loss (\d+\.\d+), ([\d,]+) tokens/s", err)] == [4, 5]
+
+
+def test_a_start_override_on_a_resumed_run_is_named_not_ignored_silently(tmp_path, capsys):
+    """`--set model.init_seed=5` on a folder that resumes: the run continues (its weights come from the
+    checkpoint) and says that the override had no effect, with the folder that would apply it."""
+    toml = write_run(tmp_path)
+    assert main(["train", str(toml)]) == 0
+    capsys.readouterr()
+    assert main(["train", str(toml), "--set", "train.steps=2", "--set", "model.init_seed=5"]) == 0
+    captured = capsys.readouterr()
+    assert "done at step 2/2" in captured.out
+    (line,) = [x for x in captured.err.splitlines() if "init_seed" in x]
+    assert line.startswith("kimik3 train: warning: resuming ") and "model.init_seed 0 -> 5 has no effect" in line
+    assert not Path(_advised_out_dir(line)).exists()
+    assert main(["train", str(toml), "--set", "train.steps=3"]) == 0  # nothing overridden: nothing said
+    assert "has no effect" not in capsys.readouterr().err
+
+
+def test_threads_past_the_machine_is_one_line(tmp_path, capsys):
+    assert main(["train", str(write_run(tmp_path)), "--threads", "10000"]) == 2
+    assert "--threads must be from 1 to" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("progress", ["--no-progress", "--set=log.progress=true"])  # a bar on no terminal: lines
+def test_a_closed_output_pipe_saves_like_ctrl_c(tmp_path, progress):
+    """`kimik3 train ... 2>&1 | head -1`: once the reader is gone the run stops after the current step and saves
+    it (as Ctrl-C does), then exits 141; it used to die of the broken pipe with nothing saved."""
+    import os
+    import subprocess
+    import sys
+
+    toml = write_run(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kimik3", "train", str(toml), "--set", "train.steps=500",
+                             "--set", "eval.every=1", "--set", "checkpoint.every=1000", progress],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` exits
+    assert proc.wait(timeout=300) == 141, first
+    saved = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert len(saved) == 1 and 0 < int(saved[0].name.removeprefix("step-")) < 500

@@ -64,8 +64,10 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
     """Load a checkpoint folder (config.json, model.safetensors.index.json + shards, or model.safetensors).
 
     Args:
-        path: the checkpoint folder, or a Hugging Face Hub id `org/name` (read through huggingface_hub's cache;
-            `kimik3.checkpoint.hub`).
+        path: the checkpoint folder, a Hugging Face Hub id `org/name` (read through huggingface_hub's cache;
+            `kimik3.checkpoint.hub`), or a `.gguf` file of llama.cpp's kimi-k3 layout (one file or any part of a
+            gguf-split set; `kimik3.checkpoint.gguf_read`: the text model, MXFP4 experts exact, other ggml
+            types dequantized with a note).
         dtype: parameter and compute dtype; None = the config's (bfloat16). The fp32 islands (KDA A_log,
             dt_bias, conv weights, o_norm; router correction bias) stay fp32: each tensor is cast to the
             dtype of the parameter or buffer it lands in.
@@ -98,6 +100,14 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
         ValueError: bad arguments; corrupt or truncated shards; not a safetensors file; tensors missing,
             unexpected, or of the wrong shape/dtype for config.json. Nothing is allocated before the checks.
     """
+    if str(path).endswith(".gguf"):  # llama.cpp's format: the text model (`gguf_read`, needs the gguf package)
+        if text_only is False or expert_shard is not None or experts is not None or revision is not None:
+            raise ValueError(f"{path}: a GGUF holds the text model only; text_only=False, expert_shard, experts and "
+                             "revision do not apply to it")
+        from kimik3.checkpoint.gguf_read import load_gguf
+
+        return load_gguf(path, dtype=dtype, device=_parse_device(device), keep_experts_packed=keep_experts_packed,
+                         quiet=quiet)
     return load_sharded(resolve(path, revision), dtype=dtype, device=device, text_only=text_only,
                         keep_experts_packed=keep_experts_packed, quiet=quiet, expert_shard=expert_shard,
                         experts=experts, cpu_offload_gb=cpu_offload_gb, expert_misses=expert_misses,

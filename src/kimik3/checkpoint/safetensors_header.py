@@ -8,7 +8,7 @@
 
 `read_header` never reads past the header, so it is safe on any file (a pickle is never unpickled, a
 huge or sparse shard costs one small read) and catches truncated shards by comparing offsets with the
-file size.
+file size. `read_tensors` reads a small file whole (an adapter, a drafter) after that check.
 """
 
 from __future__ import annotations
@@ -142,3 +142,28 @@ def encode_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metad
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % ALIGN)
     return struct.pack("<Q", len(raw)) + raw, sizes
+
+
+def complete_header(path: str | Path) -> ShardHeader:
+    """`read_header`, and a file whose tensors do not all lie within it is a ValueError naming it."""
+    header = read_header(path)
+    cut = header.truncated()
+    if cut:
+        raise ValueError(f"{path}: truncated: {len(cut):,} of {len(header.tensors):,} tensors lie past its end "
+                         f"(the file is {header.file_size:,} bytes, its header needs {max(e.end for e in cut):,}); "
+                         "copy or download it again")
+    return header
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a small safetensors file (a LoRA adapter, a drafter) on the CPU, the header checked first:
+    a missing, foreign, corrupt or truncated file is one FileNotFoundError / ValueError naming it, as a base
+    shard's is (the safetensors library's own error is a bare `incomplete metadata`)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    complete_header(path)
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None

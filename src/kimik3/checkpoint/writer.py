@@ -7,6 +7,8 @@
     tiktoken.model, MODEL_CARD.md, ...     copied from the source folder (`source=`, default: the folder the
                                            model was loaded from), so the folder is usable as it is; a source
                                            generation_config.json replaces the written one
+    tokenizer_config.json,                 with a tiktoken.model: what transformers and llama.cpp's converter
+    tokenization_kimi.py                   load (`kimik3.tokenizer.hf_files`), written fresh
 
 Names and dtypes are `checkpoint_specs` of the model rebuilt on the meta device in the checkpoint dtype, so
 what `load` expects is exactly what is written. Shards are ordered like the release: decoder layers in order,
@@ -44,10 +46,12 @@ from kimik3.checkpoint.safetensors_header import encode_header
 from kimik3.config import EXPERT_FORMATS, ExpertFormat, K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.ops.mxfp4 import decode, encode
+from kimik3.tokenizer.hf_files import write_hf_files
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+TOKENIZER = "tiktoken.model"
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # safetensors is little-endian and `write_shard` copies host-order bytes
 assert sys.byteorder == "little", "kimik3.checkpoint.writer needs a little-endian host"
@@ -79,8 +83,11 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
             model in another dtype is cast (so an fp32 model saved as bf16 is rounded).
         config: the K3Config for config.json; required for a K3ForCausalLM, which carries only its TextConfig.
         source: a checkpoint folder whose tokenizer, model card, generation_config.json and other non-weight
-            files are copied into the new folder (or one file, e.g. a `tiktoken.model`); None = the folder
-            the model was loaded from (`model.loaded_from`, set by `kimik3.load`), if any.
+            files are copied into the new folder (or one file: a tokenizer rank file, written as
+            `tiktoken.model`; or a GGUF, whose vocabulary and sampling defaults are written out);
+            None = the folder the model was loaded from (`model.loaded_from`, set by
+            `kimik3.load`), if any. With a tiktoken.model the folder also gets tokenizer_config.json (the Jinja
+            chat template inside) and tokenization_kimi.py, so transformers and llama.cpp's converter load it.
         quiet: no progress bar (shown only when stderr is a terminal anyway).
 
     The folder appears only when complete (`folder.publish_atomically`): everything is written to a hidden
@@ -99,14 +106,15 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
         raise ValueError(f"the model carries a LoRA adapter ({adapter}): write it with kimik3.lora.save, or merge it "
                          "into the weights first (kimik3.lora.merge / kimik3 lora merge)")
     limit = parse_size(max_shard_size)
-    cfg = _config_of(model, config)
+    cfg = config_of(model, config)
     dtype = parse_dtype(dtype) or stored_dtype(cfg)
     path = Path(path)
     _check_replaceable(path)
-    if source is None:  # the folder the model came from, unless it is gone since
+    if source is None:  # the folder (or GGUF) the model came from, unless it is gone since
         source = getattr(model, LOADED_FROM, None)
-        source = source if source is not None and Path(source).is_dir() else None
-    companions = companion_files(source) if source is not None else []
+        source = source if source is not None and (Path(source).is_dir() or str(source).endswith(".gguf")) else None
+    from_gguf = source is not None and str(source).endswith(".gguf")
+    companions = companion_files(source) if source is not None and not from_gguf else []
 
     specs = sorted(model_specs(model, experts, dtype), key=_release_order)
     shards = _plan_shards(specs, limit)
@@ -121,15 +129,26 @@ def save(model: nn.Module, path: str | Path, *, experts: ExpertFormat = "mxfp4",
                 write_shard(tmp / name, shard, produce, advance)
         weight_map = {s.name: n for n, shard in zip(names, shards, strict=True) for s in shard}
         _write_json(tmp / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-        _write_json(tmp / CONFIG, _config_json(cfg, experts, dtype, with_vision))
+        _write_json(tmp / CONFIG, config_json(cfg, experts, dtype, with_vision))
         _write_json(tmp / GENERATION_CONFIG, _generation_config(cfg))
-        for f in companions:
-            copy_durably(f, tmp / f.name)
+        for f in companions:  # a single file is the tokenizer, whatever it is called
+            copy_durably(f, tmp / (TOKENIZER if Path(source).is_file() else f.name))
+        if from_gguf:  # its vocabulary and sampling defaults, as the files a folder keeps them in
+            from kimik3.checkpoint.gguf_read import write_companions
+
+            write_companions(source, tmp)
+        if (tmp / TOKENIZER).is_file():
+            try:
+                write_hf_files(tmp, cfg.text.max_position_embeddings)
+            except ValueError as e:  # copied along as it was; only the HF files need to read it
+                print(f"kimik3: note: {path / TOKENIZER} is not a K3 rank file ({e}); wrote no tokenizer_config.json",
+                      file=sys.stderr)
 
     return publish_atomically(path, write, carry_over=lambda name: not is_checkpoint_file(name))
 
 
-def _config_of(model: nn.Module, config: K3Config | None) -> K3Config:
+def config_of(model: nn.Module, config: K3Config | None) -> K3Config:
+    """The K3Config a checkpoint of `model` records: `config`, else the model's (checked to describe the model)."""
     text = model.config.text if isinstance(model, K3ForConditionalGeneration) else model.config
     cfg = config if config is not None else model.config
     if not isinstance(cfg, K3Config):
@@ -220,7 +239,7 @@ class _Producer:
         return self._encoded[1] if key.part == "weight_packed" else self._encoded[2]
 
 
-def _config_json(cfg: K3Config, experts: ExpertFormat, dtype: torch.dtype, with_vision: bool) -> dict:
+def config_json(cfg: K3Config, experts: ExpertFormat, dtype: torch.dtype, with_vision: bool) -> dict:
     """config.json: the config's own dict with the storage record (dtype, quantization_config) as written."""
     hf = copy.deepcopy(cfg.hf)
     text = hf.get("text_config", hf)

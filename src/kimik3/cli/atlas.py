@@ -36,6 +36,7 @@ def build(args):
     from kimik3.atlas.diff import diff_atlases
     from kimik3.atlas.render import check_replaceable, write_site
     from kimik3.checkpoint import publish_atomically
+    from kimik3.cli.outputs import check_output
     from kimik3.presets import DEMO_MODEL, load_config, resolve_config
 
     if args.context < 1:
@@ -44,6 +45,13 @@ def build(args):
         raise ValueError(f"--port must be 0-65535 (0 = any free port), got {args.port}")
     path = resolve_config(args.config)
     name = _name(args.config, path)
+    out = args.out or Path("out") / "atlas" / name
+    ckpt = args.checkpoint or (args.config if Path(args.config).is_dir() else None)
+    if ckpt == "demo":
+        ckpt = DEMO_MODEL
+    check_output(out, "--out", {"CONFIG": path.parent if Path(args.config).is_dir() else path,
+                                "--diff": resolve_config(args.diff) if args.diff else None,
+                                "--checkpoint": ckpt if args.prompt is not None else None})
     t0 = time.perf_counter()
     atlas = build_atlas(load_config(path), name=name, config_path=path, context=args.context)
     seconds = time.perf_counter() - t0
@@ -56,12 +64,10 @@ def build(args):
     if args.prompt is not None:
         from kimik3.atlas.live import load_and_run
 
-        ckpt = args.checkpoint or (args.config if Path(args.config).is_dir() else None)
         if ckpt is None:
             raise ValueError("--prompt needs a checkpoint: pass a checkpoint folder as CONFIG or --checkpoint "
                              "(--checkpoint demo = the bundled demo model)")
-        live = load_and_run(DEMO_MODEL if ckpt == "demo" else Path(ckpt), args.prompt)
-    out = args.out or Path("out") / "atlas" / name
+        live = load_and_run(Path(ckpt), args.prompt)
     if not args.force:
         check_replaceable(out)
     # the site appears whole or not at all (a Ctrl-C while writing leaves no half site at --out); a folder

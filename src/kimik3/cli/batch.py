@@ -148,11 +148,12 @@ def run(args) -> int:
 
 def check_output(source: Path, output: str, overwrite: bool) -> None:
     """Never write the results onto the requests; replace another existing file only when asked."""
+    from kimik3.cli.outputs import check_output as check_apart
+
     if output == "-":
         return
+    check_apart(output, "--output", {"--input": source})
     out = Path(output)
-    if out.exists() and source.exists() and out.resolve() == source.resolve():
-        raise ValueError(f"--output {output} is the --input file: the results would replace the requests")
     if out.exists() and not overwrite:
         raise FileExistsError(f"--output {output} exists; pass --overwrite to replace it")
 

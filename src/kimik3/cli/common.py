@@ -11,9 +11,9 @@ from pathlib import Path
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="checkpoint folder (config.json, shards, tiktoken.model) or a Hugging Face Hub id org/name "
-                        "(through the hub's cache; HF_HUB_OFFLINE=1 reads only the cache); default: the bundled "
-                        "demo model")
+                   help="checkpoint folder (config.json, shards, tiktoken.model), a kimi-k3 .gguf file, or a Hugging "
+                        "Face Hub id org/name (through the hub's cache; HF_HUB_OFFLINE=1 reads only the cache); "
+                        "default: the bundled demo model")
     p.add_argument("--revision", default=None, help="branch, tag or commit of a hub id (default: main)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
@@ -41,19 +41,27 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=None, help="default 0.0 (off)")
     g.add_argument("--repetition-penalty", type=float, default=None, help="default 1.0 (off)")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], type=unescape,
+    g.add_argument("--stop", action="append", default=[],
                    help=r"stop string (repeatable); the escapes \n \t \r \\ \xHH \uHHHH are decoded, so "
                         r"--stop '\n\n' stops at a blank line (write \\n for a backslash and an n)")
 
 
-_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[ntr\\])")
+_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[ntr\\]|[xu])")
 _SIMPLE = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
 def unescape(s: str) -> str:
-    r"""Decode the backslash escapes a shell cannot type easily: \n \t \r \\ \xHH \uHHHH. Anything else after
-    a backslash is kept as written (unlike `codecs.decode(s, "unicode_escape")`, non-ASCII text survives)."""
-    return _ESCAPE.sub(lambda m: _SIMPLE.get(m[1]) or chr(int(m[1][1:], 16)), s)
+    r"""Decode the backslash escapes a shell cannot type easily: \n \t \r \\ \xHH \uHHHH. A \x or \u without
+    its hex digits is a ValueError; anything else after a backslash is kept as written (unlike
+    `codecs.decode(s, "unicode_escape")`, non-ASCII text survives)."""
+    def decode(m: re.Match) -> str:
+        if m[1] in ("x", "u"):
+            digits = 2 if m[1] == "x" else 4
+            raise ValueError(f"malformed escape \\{s[m.end() - 1:m.end() + digits]}: \\{m[1]} takes {digits} hex "
+                             "digits (write \\\\ for a backslash)")
+        return _SIMPLE.get(m[1]) or chr(int(m[1][1:], 16))
+
+    return _ESCAPE.sub(decode, s)
 
 
 def sampling_params(args):
@@ -63,21 +71,31 @@ def sampling_params(args):
 
     from kimik3.inference.sampling import generation_defaults
 
+    stop = []
+    for text in args.stop:
+        try:
+            stop.append(unescape(text))
+        except ValueError as e:
+            raise ValueError(f"--stop '{text}': {e}") from None
     flags = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
-    return dataclasses.replace(generation_defaults(model_path(args)), **flags, seed=args.seed, stop=tuple(args.stop))
+    return dataclasses.replace(generation_defaults(model_path(args)), **flags, seed=args.seed, stop=tuple(stop))
 
 
 def model_path(args) -> Path:
-    """The model folder: --model (a folder, or a hub id resolved once through the hub's cache), else the demo."""
+    """The model: --model (a folder, a .gguf file, or a hub id resolved once through the hub's cache), else the
+    demo."""
     from kimik3.checkpoint.hub import resolve
     from kimik3.presets import DEMO_MODEL
 
     if getattr(args, "_model_dir", None) is None:
         args._model_dir = resolve(args.model, getattr(args, "revision", None)) if args.model else DEMO_MODEL
     path = args._model_dir
+    if str(path).endswith(".gguf") and path.is_file():
+        return path
     if not path.is_dir() or not (path / "config.json").is_file():
         what = "--model" if args.model else "the bundled demo model (pass --model PATH)"
-        raise FileNotFoundError(f"no model at {path} ({what}): expected a checkpoint folder with config.json")
+        raise FileNotFoundError(f"no model at {path} ({what}): expected a checkpoint folder with config.json, or a "
+                                "kimi-k3 .gguf file")
     return path
 
 
@@ -98,19 +116,21 @@ def check_context(args, params, prompt_tokens: int, window: int) -> None:
 
 
 def open_engine(args, base, *, vision: bool | None = False):
-    """(the engine over the model at --model, its folder), every flag checked before the (long) load: images
-    against the config (vision: False loads text only; None the vision tower when the checkpoint has one; True
-    requires it), the engine flags over `base` (the command's `EngineConfig` defaults). With `args.parallel`
-    (generate under torchrun) each rank loads its shards; only rank 0 prints."""
+    """(the engine over the model at --model, its folder), every flag checked before the (long) load: --threads
+    against the machine's CPUs, images against the config (vision: False loads text only; None the vision tower
+    when the checkpoint has one; True requires it), the engine flags over `base` (the command's `EngineConfig`
+    defaults). With `args.parallel` (generate under torchrun) each rank loads its shards; only rank 0 prints."""
     import torch
 
+    from kimik3.checkpoint.source import read_config as model_config
+    from kimik3.checkpoint.source import read_tokenizer
     from kimik3.cli.engine_args import engine_config
-    from kimik3.config import K3Config
     from kimik3.inference import load_engine
-    from kimik3.inference.load import read_tokenizer
+    from kimik3.inference.threads import check_threads
 
+    check_threads(getattr(args, "threads", None), "--threads")
     path = model_path(args)
-    cfg = K3Config.from_file(path / "config.json")
+    cfg = model_config(path)
     if vision and cfg.vision is None:
         raise ValueError(f"--image: the model at {path} is text-only (its config.json has no vision_config); use "
                          "a checkpoint with a vision tower, or leave out the image")

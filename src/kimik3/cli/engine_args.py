@@ -53,7 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: str = "64", war
                         "(a DSpark-style drafter, --speculative-model); the same output (greedy: the same tokens in "
                         "float32; bf16 rounds a verified row differently, which can flip a near-tie)")
     g.add_argument("--speculative-model", metavar="PATH", default=None,
-                   help="the drafter's folder for --speculative-method draft")
+                   help="the drafter for --speculative-method draft: a folder or a preset (demo-draft); default: the "
+                        "drafter shipped with the model, if any (the demo model's)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="draft tokens verified per sequence and step (default 4)")
 
@@ -62,6 +63,7 @@ def speculative_config(args):
     """The `SpeculativeConfig` the speculative flags ask for (None: off). Its own checks are the rules; their
     messages name the flag."""
     from kimik3.inference.engine.config import SpeculativeConfig
+    from kimik3.presets import resolve_drafter
 
     method, model, k = (getattr(args, a, None) for a in ("speculative_method", "speculative_model",
                                                         "num_speculative_tokens"))
@@ -69,6 +71,8 @@ def speculative_config(args):
         if model is not None or k is not None:
             raise ValueError("--speculative-model and --num-speculative-tokens need --speculative-method")
         return None
+    if method == "draft":  # a preset name, or the model's shipped drafter, becomes the folder SpeculativeConfig checks
+        model = str(resolve_drafter(model, getattr(args, "model", None)))
     given = {"num_speculative_tokens": k} if k is not None else {}
     try:
         return SpeculativeConfig(method, model, **given)

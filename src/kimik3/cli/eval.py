@@ -33,16 +33,16 @@ def run(args) -> int:
         from kimik3.hf.harness import evaluate
     except ImportError as e:
         raise ValueError(f"kimik3 eval needs the eval extra (pip install 'kimik3[eval]'): {e}") from None
+    from kimik3.checkpoint.source import read_config as model_config
     from kimik3.cli.common import model_path
     from kimik3.cli.engine_args import engine_config
-    from kimik3.config import K3Config
     from kimik3.inference.engine import EngineConfig
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ValueError("--tasks: name at least one lm-eval task")
     path = model_path(args)
-    positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
+    positions = model_config(path).text.max_position_embeddings
     config = engine_config(args, EngineConfig(max_num_seqs=8), positions)
     results = evaluate(str(path), tasks, include_path=args.include_path, limit=args.limit,
                        num_fewshot=args.num_fewshot, device=args.device, dtype=args.dtype,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 from kimik3.cli import batch
@@ -26,6 +27,9 @@ def add_parser(sub) -> None:
                    help="image file for the prompt (repeatable; implies --chat; needs a model with a vision tower)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print tokens as they come (default: when the output is a terminal)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="after the text, on stderr: tokens, time and tokens/s; with speculative decoding its "
+                        "acceptance rate and mean accepted length")
     p.add_argument("--parallel", choices=("tp", "ep"), default=None,
                    help="under torchrun: shard the model over the ranks (tp: attention heads and MLP widths, "
                         "ep: routed experts); rank 0 prints")
@@ -40,6 +44,8 @@ def read_prompt(args) -> str:
         text, where = sys.stdin.read(), "--prompt-file - (stdin)"
     else:
         path = Path(args.prompt_file)
+        if path.is_dir():
+            raise IsADirectoryError(f"--prompt-file {path}: a folder; expected a UTF-8 text file")
         if not path.is_file():
             raise FileNotFoundError(f"--prompt-file {path}: no such file")
         try:
@@ -50,6 +56,21 @@ def read_prompt(args) -> str:
     if not text:
         raise ValueError(f"{where}: the prompt is empty")
     return text
+
+
+def report(tokens: int, seconds: float, engine) -> None:
+    """The run in one line on stderr: tokens, time, rate, and the engine's speculative counters (acceptance rate:
+    accepted draft tokens / draft tokens; mean accepted length: tokens committed per verification step, the bonus
+    included)."""
+    line = f"kimik3 generate: {tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s)"
+    if engine.speculator is not None:
+        spec, stats = engine.config.speculative, engine.speculator.stats
+        drafted, accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+        rate = f"{accepted / drafted:.1%}" if drafted else "n/a"
+        line += (f"; speculative {spec.method}, k = {spec.num_speculative_tokens}: acceptance rate {rate} "
+                 f"({accepted} of {drafted} draft tokens in {stats.spec_decode_num_drafts} drafts), mean "
+                 f"accepted length {stats.mean_accepted_length:.2f}")
+    print(line, file=sys.stderr)
 
 
 def run(args) -> int:
@@ -80,6 +101,7 @@ def run(args) -> int:
     if not chat and args.stream:  # a continuation reads on from its prompt
         print(prompt, end="", flush=True)
     out = []
+    t0 = time.perf_counter()
     for events in engine_stream(engine, [ids], params, **images):
         for event in events:  # one prompt; several tokens in a step with speculative decoding
             if printer is not None:
@@ -94,6 +116,8 @@ def run(args) -> int:
     else:
         print()
     sys.stdout.flush()
+    if args.verbose:
+        report(len(out), time.perf_counter() - t0, engine)
     if args.parallel:
         from kimik3.distributed import shutdown
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("memory", help="memory needed to serve a config at a context length and batch size")
     p.add_argument("config", nargs="?", default="k3", help="config.json, checkpoint folder or preset name")
-    p.add_argument("--context", type=int, default=131072, help="tokens per sequence (default 131072)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per sequence, at most the model's max_position_embeddings (default: 131072, or "
+                        "the model's positions when fewer)")
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     t = p.add_argument_group("expert tiering plan (docs/tiering.md): given --gpus, where the bytes go")
@@ -30,6 +31,9 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+DEFAULT_CONTEXT = 131072
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
@@ -42,13 +46,14 @@ def run(args) -> int:
     from kimik3.presets import load_config
 
     cfg = load_config(args.config)
-    if args.gpus is not None:
-        return _plan(cfg, args)
-    r = memory_report(cfg, args.context, args.batch)
     positions = cfg.text.max_position_embeddings
-    if positions is not None and args.context > positions:
-        print(f"kimik3 memory: note: {args.context:,} tokens exceed the model's {positions:,} positions "
-              "(max_position_embeddings); generation stops there", file=sys.stderr)
+    context = args.context if args.context is not None else min(DEFAULT_CONTEXT, positions or DEFAULT_CONTEXT)
+    if positions is not None and context > positions:  # no sequence of the model can hold them
+        raise ValueError(f"--context {context:,} exceeds the model's {positions:,} positions "
+                         "(max_position_embeddings in its config.json)")
+    if args.gpus is not None:
+        return _plan(cfg, args, context)
+    r = memory_report(cfg, context, args.batch)
     rows = [("weights", r.weights), ("KDA state (per sequence)", r.kda_state_per_sequence),
             (f"KDA state x {r.batch}", r.kda_state), ("MLA latent (per token)", r.mla_bytes_per_token),
             (f"MLA cache x {r.batch} x {r.context:,} tokens", r.mla_cache), ("total", r.total)]
@@ -65,14 +70,14 @@ def run(args) -> int:
     return 0
 
 
-def _plan(cfg, args) -> int:
+def _plan(cfg, args, context: int) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from kimik3.inference.memory import tier_plan
 
     g = 1e9
-    t = tier_plan(cfg, args.gpus, int(args.gpu_gib * 2**30), int(args.host_gib * 2**30), args.context, args.batch,
+    t = tier_plan(cfg, args.gpus, int(args.gpu_gib * 2**30), int(args.host_gib * 2**30), context, args.batch,
                   args.link_gbps * g, args.host_gbps * g, args.host_kernel_gbps * g, args.hbm_gbps * g)
     p = t.plan
     rows = [("device: trunk (every weight but the routed experts)", t.trunk),

@@ -65,11 +65,11 @@ def adapters(args) -> dict[str, str]:
 
 def check_args(args, path):
     """Every flag checked before anything starts (the engine's against the checkpoint's config): the config."""
-    from kimik3.config import K3Config
+    from kimik3.checkpoint.source import read_config as model_config
     from kimik3.inference.engine import EngineConfig
+    from kimik3.inference.threads import check_threads
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    check_threads(args.threads, "--threads")
     if args.max_pending < 1:
         raise ValueError(f"--max-pending must be at least 1, got {args.max_pending}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
@@ -77,7 +77,7 @@ def check_args(args, path):
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     args.adapters = adapters(args)
-    positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
+    positions = model_config(path).text.max_position_embeddings
     return engine_config(args, EngineConfig(warmup=True), positions)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def add_parser(sub) -> None:
@@ -44,15 +45,17 @@ def run(args) -> int:
     if args.stop_at is not None and args.stop_at < 1:
         raise ValueError(f"--stop-at must be a step >= 1, got {args.stop_at}")
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
         import torch
 
+        from kimik3.inference.threads import check_threads
+
+        check_threads(args.threads, "--threads")
         torch.set_num_threads(args.threads)
     from kimik3.distributed import shutdown
     from kimik3.train import Trainer, load_train_config
 
     cfg = load_train_config(args.inputs[0], args.set)
+    check_out_dir(cfg)
     if cfg.draft is not None:  # a [draft] table: train a speculative drafter for the frozen draft.target
         from kimik3.train.draft import DraftTrainer
 
@@ -67,6 +70,17 @@ def run(args) -> int:
         what = "drafter" if cfg.draft is not None else "checkpoints"
         print(f"kimik3 train: {status} at step {trainer.step}/{cfg.train.steps}; {what} in {trainer.root}")
     return 130 if status == "interrupted" else 0
+
+
+def check_out_dir(cfg) -> None:
+    """out_dir apart from every checkpoint the run reads (its checkpoint rotation deletes step folders there)."""
+    from kimik3.cli.outputs import check_output
+
+    config = cfg.model.config
+    check_output(cfg.out_dir, "out_dir", {
+        "model.checkpoint": cfg.model.checkpoint,
+        "model.config": config if config is not None and Path(config).exists() else None,  # else a preset name
+        "draft.target": cfg.draft.target if cfg.draft is not None else None})
 
 
 def _prepare(args) -> int:

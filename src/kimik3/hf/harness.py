@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from kimik3.config import K3Config
+from kimik3.checkpoint.source import read_config
 from kimik3.inference import SamplingParams, load_engine
 from kimik3.inference.engine import Engine, EngineConfig, Request
 from kimik3.inference.engine.request import accumulate
@@ -39,8 +40,8 @@ class KimiK3LM(TemplateLM):
     """A kimik3 model for lm-eval.
 
     Args:
-        pretrained: a checkpoint folder or hub id (loaded by `kimik3.inference.load_engine`), or pass `model` and
-            `tokenizer`.
+        pretrained: a checkpoint folder, .gguf file or hub id (loaded by `kimik3.inference.load_engine`), or pass
+            `model` and `tokenizer`.
         dtype: compute dtype (default float32 on the CPU, the checkpoint's on CUDA).
         device: cpu or cuda (default cuda when available).
         batch_size: sequences the engine runs at once (its max_num_seqs).
@@ -67,7 +68,7 @@ class KimiK3LM(TemplateLM):
             from kimik3.checkpoint.hub import resolve
 
             path = resolve(pretrained, revision)
-            positions = K3Config.from_file(path / "config.json").text.max_position_embeddings
+            positions = read_config(path).text.max_position_embeddings
         else:
             positions = (model.config.text if hasattr(model.config, "text") else model.config).max_position_embeddings
         limit = max_length or (config.max_model_len - 2 if config.max_model_len else positions)
@@ -201,21 +202,63 @@ class KimiK3LM(TemplateLM):
         return texts
 
 
+# the example tasks shipped in the package (k3_mc, k3_ppl, k3_gen), always on the task path
+EXAMPLE_TASKS = Path(__file__).resolve().parent / "tasks"
+
+
 def evaluate(model: str, tasks: Sequence[str], *, include_path: str | None = None, limit: float | None = None,
              num_fewshot: int | None = None, batch_size: int = 8, device: str | None = None, dtype: str | None = None,
              revision: str | None = None, output_path: str | Path | None = None, log_samples: bool = False,
              config: EngineConfig | None = None) -> dict:
-    """Run lm-eval `tasks` on a kimik3 model in process; returns lm-eval's results dict (written as JSON to
-    `output_path` when given)."""
+    """Run lm-eval `tasks` (names, globs or YAML files; lm-eval's, the EXAMPLE_TASKS, or those of the folder
+    `include_path`) on a kimik3 model in process; returns lm-eval's results dict (written as JSON to `output_path`
+    when given). An unknown task is a ValueError before the model loads."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    if include_path is not None and not Path(include_path).is_dir():
+        raise FileNotFoundError(f"include_path {include_path}: no such folder (a folder of task YAML files)")
+    manager = TaskManager(include_path=[str(EXAMPLE_TASKS)] + ([str(include_path)] if include_path else []))
+    check_tasks(manager, tasks)
     lm = KimiK3LM(model, dtype=dtype, device=device, batch_size=batch_size, revision=revision, config=config)
-    results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                              task_manager=manager, log_samples=log_samples)
+    # lm-eval warns about --metadata for every task with a custom_dataset, which the examples use to find their data
+    quiet = logging.getLogger("lm_eval.api.task")
+    drop = _DropMessage("Custom kwargs can be passed to `--metadata`")
+    quiet.addFilter(drop)
+    try:
+        results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                  task_manager=manager, log_samples=log_samples)
+    finally:
+        quiet.removeFilter(drop)
     if results is None:
         raise ValueError(f"lm-eval returned no results for tasks {list(tasks)}")
     if output_path is not None:
         Path(output_path).write_text(json.dumps(results, indent=2, default=str))
     return results
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def check_tasks(manager, tasks: Sequence[str]) -> None:
+    """Every name a registered task, group or tag, a glob matching one, or a YAML file; else one ValueError with
+    the closest names (lm-eval's own error comes after the model load, as a KeyError traceback)."""
+    import difflib
+
+    unknown = [t for t in tasks if not (manager.match_tasks([t]) or Path(t).is_file())]
+    if unknown:
+        near = {t: difflib.get_close_matches(t, manager.all_tasks, 3) for t in unknown}
+        hints = [f"'{t}' (did you mean {', '.join(near[t])}?)" if near[t] else f"'{t}'" for t in unknown]
+        raise ValueError(f"unknown lm-eval task {', '.join(hints)}: name a task, group or tag lm-eval lists "
+                         f"(`lm-eval ls tasks`), one of the examples {', '.join(sorted(_examples()))}, or a YAML "
+                         "file; --include-path adds a folder of your own")
+
+
+def _examples() -> list[str]:
+    return [p.stem for p in EXAMPLE_TASKS.glob("*.yaml")]

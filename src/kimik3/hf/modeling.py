@@ -24,6 +24,7 @@ from kimik3.checkpoint.folder import GENERATION_CONFIG, LOADED_FROM
 from kimik3.checkpoint.hub import resolve
 from kimik3.hf.cache import KimiK3Cache
 from kimik3.hf.config import KimiK3Config
+from kimik3.inference.generate import check_positions
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.cache import cached_hidden
 from kimik3.model.decoder import DecoderLayer
@@ -218,6 +219,15 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         if state is None:
             return self.language_model.model(input_ids, inputs_embeds=embeds)
         return cached_hidden(self.language_model, input_ids, state, new_mask, embeds)
+
+    def _validate_generated_length(self, generation_config, input_ids_length: int, has_default_max_length: bool):
+        """transformers' checks, then kimik3.generate's: a prompt that fills max_position_embeddings, or
+        prompt + new tokens past it, is a ValueError (transformers checks only its own max_length, which a
+        max_new_tokens overrides)."""
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        check_positions(input_ids_length, generation_config.max_length - input_ids_length,
+                        self.k3_config.text.max_position_embeddings, "generate: the prompt",
+                        "pass max_length={positions} instead of max_new_tokens")
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                                       max_cache_length: int) -> None:

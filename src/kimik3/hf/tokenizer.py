@@ -2,99 +2,51 @@
 
 Ids, special tokens and decoding are `kimik3.tokenizer.Tokenizer`'s (one BPE, over the folder's `tiktoken.model`);
 `apply_chat_template` is `encode_chat` / `encode_chat_with_mask` with their keywords (tools, thinking,
-thinking_effort, tool_choice, response_format). The released folder has no Jinja template (spec 5: XTML is
-rendered in Python), so `chat_template` holds a short stand-in that names the encoder; its `{% generation %}`
-markers tell trainers (TRL) that assistant masks come back from `return_assistant_tokens_mask=True`.
+thinking_effort, tool_choice, response_format). `chat_template` is kimik3's Jinja template of the same format
+(`kimik3.tokenizer.CHAT_TEMPLATE`, for what renders templates itself); its `{% generation %}` markers tell trainers
+(TRL) that assistant masks come back from `return_assistant_tokens_mask=True`.
 
-Token strings are the tokens' bytes through GPT-2's byte-to-character table (printable, reversible), special
-tokens their names, so `convert_ids_to_tokens` / `get_vocab` work as transformers expects.
+Token strings (`convert_ids_to_tokens`, `get_vocab`) are those of the class every checkpoint folder carries for
+`trust_remote_code` (`kimik3.tokenizer.tokenization_kimi.TikTokenTokenizer`), which this one extends.
 """
 
 from __future__ import annotations
 
-import shutil
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizer
+from kimik3.tokenizer import CHAT_TEMPLATE, PATTERN, Tokenizer, encode_chat_with_mask
+from kimik3.tokenizer.tokenization_kimi import TikTokenTokenizer
 
-from kimik3.tokenizer import Tokenizer, encode_chat_with_mask
-
-FILE = "tiktoken.model"
 RELEASED_TOKENIZER_CLASS = "TikTokenTokenizer"  # tokenizer_config.json's tokenizer_class in the release
-# what transformers reads to tell trainers the template marks assistant tokens; rendering is kimik3's encoder
-CHAT_TEMPLATE = ("{# Kimi K3 XTML: rendered by kimik3.tokenizer.encode_chat (KimiK3Tokenizer.apply_chat_template), "
-                 "not by this template #}{% for message in messages %}{% if message['role'] == 'assistant' %}"
-                 "{% generation %}{{ message['content'] }}{% endgeneration %}{% else %}{{ message['content'] }}"
-                 "{% endif %}{% endfor %}")
 _CHAT_KEYS = ("tools", "thinking", "thinking_effort", "tool_choice", "response_format", "image_prompts")
 
 
-@lru_cache(maxsize=1)
-def _byte_chars() -> tuple[str, ...]:
-    """GPT-2's bytes_to_unicode: byte b -> one printable character (printable bytes map to themselves)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    chars, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + n)
-            n += 1
-    return tuple(chars[b] for b in range(256))
+class KimiK3Tokenizer(TikTokenTokenizer):
+    """K3's tokenizer for transformers. `vocab_file`: the folder's tiktoken.model.
 
-
-class KimiK3Tokenizer(PreTrainedTokenizer):
-    """K3's tokenizer for transformers. `vocab_file`: the folder's tiktoken.model."""
-
-    vocab_files_names = {"vocab_file": FILE}
-    model_input_names = ["input_ids", "attention_mask"]
+    The class kimik3 ships into checkpoint folders for `trust_remote_code` (`kimik3.tokenizer.tokenization_kimi`),
+    with kimik3's own pre-tokenizer pattern and special ids (whatever tokenizer_config.json says), its encoder
+    (the released tokenizer's cuts of very long inputs) and its XTML chat encoder.
+    """
 
     def __init__(self, vocab_file: str, **kwargs: Any):
         if not Path(vocab_file).is_file():
             raise FileNotFoundError(f"{vocab_file}: no tiktoken.model (K3's tokenizer file) to load")
-        self.vocab_file = str(vocab_file)
         self.k3 = Tokenizer.from_file(vocab_file)
-        chars = _byte_chars()
-        ranks = self.k3._enc._mergeable_ranks  # bytes -> id, what tiktoken.model holds
-        self._id_to_token = [""] * self.k3.vocab_size
-        for token, i in ranks.items():
-            self._id_to_token[i] = "".join(chars[b] for b in token)
-        for name, i in self.k3.special_ids.items():
-            self._id_to_token[i] = name
-        self._token_to_id = {t: i for i, t in enumerate(self._id_to_token)}
-        self._char_byte = {c: b for b, c in enumerate(chars)}
+        for key in ("pat_str", "special_tokens"):  # kimik3's own, never a folder's copy of them
+            kwargs.pop(key, None)
         kwargs.setdefault("bos_token", "[BOS]")
         kwargs.setdefault("eos_token", "<|end_of_msg|>")  # the generation EOS (config.eos_token_id)
         kwargs.setdefault("pad_token", "[PAD]")
         kwargs.setdefault("unk_token", "[UNK]")
         kwargs.setdefault("chat_template", CHAT_TEMPLATE)
         kwargs.setdefault("clean_up_tokenization_spaces", False)
-        super().__init__(**kwargs)
-        # every special id is one token when it appears in text, as kimik3's encode(allow_special=True) reads it
-        self.add_tokens([n for n in self.k3.special_ids if n not in self.all_special_tokens], special_tokens=True)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.k3.vocab_size
-
-    def get_vocab(self) -> dict[str, int]:
-        return dict(self._token_to_id)
+        super().__init__(str(vocab_file), PATTERN, dict(self.k3.special_ids), **kwargs)
 
     def _tokenize(self, text: str, **kwargs: Any) -> list[str]:
         # text between special names (transformers splits those off first): ordinary BPE, as kimik3's encode
         return [self._id_to_token[i] for i in self.k3.encode(text)]
-
-    def _convert_token_to_id(self, token: str) -> int:
-        return self._token_to_id.get(token, self.k3.unk_id)
-
-    def _convert_id_to_token(self, index: int) -> str:
-        return self._id_to_token[index]
-
-    def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        ids = [self._token_to_id[t] for t in tokens]
-        return self.k3.decode(ids)
 
     def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None,
                 **kwargs: Any) -> str:
@@ -102,16 +54,6 @@ class KimiK3Tokenizer(PreTrainedTokenizer):
         if skip_special_tokens:
             ids = [i for i in ids if not self.k3.is_special(i)]
         return self.k3.decode(ids)  # whole-sequence UTF-8, exactly kimik3's decode
-
-    def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None):
-        # K3 adds no BOS or EOS to encoded text (spec 5)
-        return token_ids_0 + (token_ids_1 or [])
-
-    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
-        out = Path(save_directory) / ((filename_prefix + "-" if filename_prefix else "") + FILE)
-        if Path(self.vocab_file).resolve() != out.resolve():
-            shutil.copyfile(self.vocab_file, out)
-        return (str(out),)
 
     def apply_chat_template(self, conversation, tools: list | None = None, documents=None, chat_template=None,
                             add_generation_prompt: bool = False, continue_final_message: bool = False,

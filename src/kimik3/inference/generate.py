@@ -53,23 +53,35 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[li
     return out
 
 
+def check_positions(prompt_tokens: int, max_new_tokens: int, positions: int | None, what: str = "the prompt",
+                    stop: str = "set max_model_len={positions}") -> None:
+    """A ValueError when a prompt of `prompt_tokens` fills the model's `positions` (max_position_embeddings) or
+    `max_new_tokens` more would run past them: `sized_config` and the transformers route (`kimik3.hf`) both check
+    with this. `what` names the prompt; `stop` says which argument would stop generation at the end of the context
+    instead."""
+    if positions is None:
+        return
+    if prompt_tokens >= positions:
+        raise ValueError(f"{what}: a prompt of {prompt_tokens} tokens leaves no room for output within the model's "
+                         f"{positions} positions (max_position_embeddings)")
+    if prompt_tokens + max_new_tokens > positions:
+        raise ValueError(f"{what}: {prompt_tokens} tokens + max_new_tokens {max_new_tokens} exceed the model's "
+                         f"{positions} positions (max_position_embeddings); lower max_new_tokens to "
+                         f"{positions - prompt_tokens}, or {stop.format(positions=positions)} to stop there")
+
+
 def sized_config(config: EngineConfig | None, prompts: list[list[int]], params: list[SamplingParams],
                  positions: int | None) -> EngineConfig:
     """`config`, or (None) one sized to the prompts: a slot each, all of them prefilled in one step, no prefix
     cache, no CUDA graphs. Without a max_model_len, prompt + max_new_tokens past the model's `positions`
-    (max_position_embeddings) is refused here, nothing allocated; with one, generation stops at it ("length")."""
+    (max_position_embeddings) is refused here (`check_positions`), nothing allocated; with one, generation stops
+    at it ("length")."""
     bound = None if config is None else config.max_model_len
     if bound is not None and positions is not None and bound > positions:
         raise ValueError(f"max_model_len {bound} exceeds the model's {positions} positions (max_position_embeddings)")
-    if bound is None and positions is not None:
+    if bound is None:
         for i, (p, q) in enumerate(zip(params, prompts, strict=True)):
-            if len(q) >= positions:
-                raise ValueError(f"prompt {i}: a prompt of {len(q)} tokens leaves no room for output within the "
-                                 f"model's {positions} positions (max_position_embeddings)")
-            if len(q) + p.max_new_tokens > positions:
-                raise ValueError(f"prompt {i}: {len(q)} tokens + max_new_tokens {p.max_new_tokens} exceed the "
-                                 f"model's {positions} positions (max_position_embeddings); lower max_new_tokens "
-                                 f"to {positions - len(q)}, or set max_model_len={positions} to stop there")
+            check_positions(len(q), p.max_new_tokens, positions, f"prompt {i}")
     if config is not None:
         return config
     return EngineConfig(max_num_seqs=len(prompts), enable_prefix_cache=False, use_cuda_graphs=False,

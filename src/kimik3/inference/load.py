@@ -1,5 +1,5 @@
-"""`load_engine`: a checkpoint folder made ready to serve, the one loader of `serve`, `generate`, `chat`, batch files
-and the lm-eval harness.
+"""`load_engine`: a checkpoint folder (or a kimi-k3 GGUF) made ready to serve, the one loader of `serve`, `generate`,
+`chat`, batch files and the lm-eval harness.
 
     engine = load_engine("path/to/ckpt", EngineConfig(max_num_seqs=8))
     for events in engine_stream(engine, [engine.tokenizer.encode("ROMEO:")], SamplingParams()): ...
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from kimik3.checkpoint.source import read_config, read_tokenizer
 from kimik3.inference.engine import Engine, EngineConfig
 from kimik3.inference.threads import pick_cpu_threads
 from kimik3.placement import save_trace, tiered_layers
@@ -29,8 +30,8 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
                 adapters: dict[str, str | Path] | None = None, threads: int | None = None,
                 sync_tokens: Callable[[Tensor], object] | None = None, loader: Loader | None = None,
                 quiet: bool = True) -> Engine:
-    """The checkpoint at `path` (a folder, or a hub id already resolved to one) loaded for inference, with its
-    tokenizer, under an engine of `config`.
+    """The checkpoint at `path` (a folder, a hub id already resolved to one, or a kimi-k3 .gguf file) loaded for
+    inference, with its tokenizer, under an engine of `config`.
 
     Args:
         device: "cpu" or "cuda" (default: cuda when available).
@@ -43,8 +44,8 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
         loader: builds the model instead of `kimik3.load` (same keywords): a parallel loader.
 
     The model runs in eval mode; its routed experts are relaid for the MoE backend's kernels (Humming's where it
-    picks them) unless adapters need them packed. The engine's `tokenizer` is the folder's `tiktoken.model`, and
-    its end ids are the turn's end and the config's eos_token_id.
+    picks them) unless adapters need them packed. The engine's `tokenizer` is the folder's `tiktoken.model` (a
+    GGUF's vocabulary), and its end ids are the turn's end and the config's eos_token_id.
     """
     import kimik3
     from kimik3.quant import relayout_experts
@@ -85,21 +86,12 @@ def offload_reserve(path: Path, config: EngineConfig) -> int:
     at max_model_len (the pool's floor), and a workspace."""
     from kimik3.model.cache import state_bytes
     from kimik3.placement import WORKSPACE
-    from kimik3.presets import load_config
 
-    text = load_config(str(path)).text
+    text = read_config(path).text
     one = state_bytes(text, torch.bfloat16)
     length = config.max_model_len or text.max_position_embeddings
     return (WORKSPACE + config.max_num_seqs * (one["kda_state_per_sequence"] + one["kda_conv_per_sequence"])
             + length * one["mla_latent_per_token"])
-
-
-def read_tokenizer(path: Path) -> Tokenizer:
-    file = path / "tiktoken.model"
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: the model folder has no tokenizer (tiktoken.model); copy the one the "
-                                "checkpoint was trained with next to config.json")
-    return Tokenizer.from_file(file)
 
 
 def end_ids(model: nn.Module, tok: Tokenizer) -> list[int]:

@@ -16,7 +16,6 @@ Run a request alone, or in fp32, to reproduce it.
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kimik3.checkpoint.folder import GENERATION_CONFIG
+from kimik3.checkpoint.source import read_generation_config
 
 
 @dataclass(frozen=True)
@@ -126,19 +125,11 @@ class SamplingParams:
 GENERATION_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
-def generation_defaults(folder: str | Path) -> SamplingParams:
-    """The sampling defaults a checkpoint ships: its generation_config.json's GENERATION_KEYS over SamplingParams'
-    own (no file: those alone). Read once per command; a request's or a flag's value replaces a field. A bad file
-    is a ValueError naming it."""
-    file = Path(folder) / GENERATION_CONFIG
-    if not file.is_file():
-        return SamplingParams()
-    try:
-        gen = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(gen, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(gen).__name__}")
+def generation_defaults(path: str | Path) -> SamplingParams:
+    """The sampling defaults a checkpoint ships: its generation_config.json's (a GGUF's: its saved generation
+    config, else llama.cpp's general.sampling.* keys) GENERATION_KEYS over SamplingParams' own (none: those alone).
+    Read once per command; a request's or a flag's value replaces a field. A bad file is a ValueError naming it."""
+    file, gen = read_generation_config(path)
     try:
         return SamplingParams(**{k: gen[k] for k in GENERATION_KEYS if k in gen})
     except ValueError as e:

@@ -17,6 +17,15 @@ from torch import nn
 SMALL_MODEL_PARAMS = 100_000_000
 
 
+def check_threads(requested: int | None, flag: str = "threads") -> None:
+    """A thread count from 1 to this machine's CPU count, else a ValueError naming `flag` (torch accepts any count,
+    and thousands of OpenMP threads crash the process in the first parallel op; more threads than CPUs only wait
+    for one another)."""
+    cpus = os.cpu_count() or 1
+    if requested is not None and not 1 <= requested <= cpus:
+        raise ValueError(f"{flag} must be from 1 to {cpus} (this machine's CPUs), got {requested}")
+
+
 def pick_cpu_threads(model: nn.Module, device: torch.device | str, requested: int | None = None) -> int:
     """Set torch's intra-op thread count for running `model` on `device`; returns the count in force.
 
@@ -24,8 +33,7 @@ def pick_cpu_threads(model: nn.Module, device: torch.device | str, requested: in
     then one thread for a model under SMALL_MODEL_PARAMS on the CPU. GPU runs are left alone.
     """
     if requested is not None:
-        if requested < 1:
-            raise ValueError(f"threads must be at least 1, got {requested}")
+        check_threads(requested)
         torch.set_num_threads(requested)
     elif torch.device(device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:

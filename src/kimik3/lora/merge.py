@@ -61,7 +61,8 @@ def reencode_error(model: nn.Module) -> float:
 
 def merge_checkpoint(base: str | Path, adapter: str | Path, out: str | Path, *, experts: str = "bf16",
                      dtype: torch.dtype | None = None, quiet: bool = False) -> dict:
-    """Write base + adapter as a full checkpoint folder at `out` (tokenizer and card copied from `base`).
+    """Write base + adapter as a full checkpoint folder at `out` (tokenizer and card copied from `base`), or as a
+    GGUF when `out` ends in .gguf (`kimik3.checkpoint.gguf_write.save_gguf`).
 
     Args:
         experts: "bf16" (dense routed experts, the fp32 merge rounded to `dtype`) or "mxfp4" (re-encoded).
@@ -80,5 +81,10 @@ def merge_checkpoint(base: str | Path, adapter: str | Path, out: str | Path, *, 
     count = len(lora_modules(model))
     merge(model)
     err = reencode_error(model) if experts == "mxfp4" else None
-    save(model, out, experts=experts, dtype=dtype, source=base, quiet=quiet)
+    if str(out).endswith(".gguf"):  # llama.cpp's kimi-k3 layout (docs/gguf.md)
+        from kimik3.checkpoint.gguf_write import save_gguf
+
+        save_gguf(model, out, experts=experts, dtype=dtype, source=base, quiet=quiet)
+    else:
+        save(model, out, experts=experts, dtype=dtype, source=base, quiet=quiet)
     return {"experts": experts, "reencode_rel_err": err, "modules": count}

@@ -28,9 +28,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from kimik3.checkpoint.safetensors_header import complete_header, read_tensors
 from kimik3.lora.apply import apply, lora_modules
 from kimik3.lora.config import SHARING, LoraConfig
 from kimik3.lora.layers import PROJECTIONS, LoraExperts
@@ -127,13 +128,18 @@ def save(model: nn.Module, path: str | Path, base_name_or_path: str | None = Non
 
 
 def read_config(path: str | Path) -> LoraConfig:
-    """The LoraConfig of an adapter folder (kimik3_lora.json; for a folder PEFT wrote, from adapter_config.json)."""
+    """The LoraConfig of an adapter folder (kimik3_lora.json; for a folder PEFT wrote, from adapter_config.json).
+    The weights file's header is checked too (present, safetensors, nothing past its end; no tensor data read),
+    so that a wrong folder fails before a long model load."""
     path = Path(path)
-    if (path / OURS).is_file():
-        return LoraConfig.from_dict(json.loads((path / OURS).read_text()), str(path / OURS))
-    if not (path / CONFIG).is_file():
+    if not (path / CONFIG).is_file() and not (path / OURS).is_file():
         raise FileNotFoundError(f"{path}: not an adapter folder (no {CONFIG})")
-    peft = json.loads((path / CONFIG).read_text())
+    if not (path / WEIGHTS).is_file():
+        raise FileNotFoundError(f"{path}: not an adapter folder (no {WEIGHTS})")
+    complete_header(path / WEIGHTS)
+    if (path / OURS).is_file():
+        return LoraConfig.from_dict(_json(path / OURS), str(path / OURS))
+    peft = _json(path / CONFIG)
     targets = list(peft.get("target_modules") or [])
     targets += sorted({t.rpartition(".")[0] for t in peft.get("target_parameters") or []})
     ranks = set((peft.get("rank_pattern") or {}).values())
@@ -141,6 +147,16 @@ def read_config(path: str | Path) -> LoraConfig:
         raise ValueError(f"{path / CONFIG}: per-module ranks or alphas beyond one expert rank are not supported")
     return LoraConfig(rank=peft["r"], alpha=float(peft["lora_alpha"]), dropout=peft.get("lora_dropout", 0.0),
                       targets=targets, rank_scaling=bool(ranks))
+
+
+def _json(file: Path) -> dict:
+    try:
+        d = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(d).__name__}")
+    return d
 
 
 @torch.no_grad()
@@ -152,8 +168,6 @@ def load(model: nn.Module, path: str | Path) -> nn.Module:
     """
     path = Path(path)
     cfg = read_config(path)
-    if not (path / WEIGHTS).is_file():
-        raise FileNotFoundError(f"{path}: no {WEIGHTS}")
     apply(model, cfg)
     return load_weights(model, path)
 
@@ -165,7 +179,7 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     cfg = model.lora_config
     if not (path / WEIGHTS).is_file():
         raise FileNotFoundError(f"{path}: not an adapter folder (no {WEIGHTS})")
-    tensors = load_file(str(path / WEIGHTS))
+    tensors = read_tensors(path / WEIGHTS)
     used = set()
 
     def take(key: str, like: Tensor | None = None) -> Tensor:

@@ -27,9 +27,9 @@ import contextlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from kimik3.checkpoint.safetensors_header import read_tensors
 from kimik3.lora.apply import UNSUPPORTED, released_prefix
 from kimik3.lora.layers import PROJECTIONS
 from kimik3.lora.peft import NESTING, PREFIX, WEIGHTS, _from_peft, read_config
@@ -184,7 +184,7 @@ def _read(path: Path) -> tuple[dict[str, Tensor], float, float]:
     cfg = read_config(path)
     if not (path / WEIGHTS).is_file():
         raise FileNotFoundError(f"{path}: not an adapter folder (no {WEIGHTS})")
-    return load_file(str(path / WEIGHTS)), cfg.alpha / cfg.rank, cfg.alpha
+    return read_tensors(path / WEIGHTS), cfg.alpha / cfg.rank, cfg.alpha
 
 
 @torch.no_grad()

@@ -185,7 +185,8 @@ def _thinking(body: dict) -> tuple[bool, str | None]:
             on = False
             continue
         if not isinstance(value, str) or value not in EFFORT_ALIASES:
-            raise _bad(where, f"must be one of {sorted(EFFORT_ALIASES)}, got {value!r}")
+            words = sorted(EFFORT_ALIASES) + (["none"] if where == "reasoning_effort" else [])  # none: thinking off
+            raise _bad(where, f"must be one of {words}, got {value!r}")
         effort = EFFORT_ALIASES[value]
     return on, effort
 

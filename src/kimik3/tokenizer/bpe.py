@@ -22,7 +22,7 @@ from types import MappingProxyType
 
 import tiktoken
 
-__all__ = ["NUM_SPECIAL", "PATTERN", "SPECIAL_OFFSETS", "StreamDecoder", "Tokenizer", "load_ranks"]
+__all__ = ["NUM_SPECIAL", "PATTERN", "SPECIAL_OFFSETS", "StreamDecoder", "Tokenizer", "byte_chars", "load_ranks"]
 
 # The pre-tokenizer regex, exactly as the released tokenizer builds it (spec §5; S1 `tokenization.py`, index id
 # 61702949424). `[...&&[^\p{Han}]]` is the set intersection of the Rust `regex` crate, which tiktoken's
@@ -69,6 +69,18 @@ SPECIAL_OFFSETS: Mapping[str, int] = MappingProxyType({
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 _RUNS = re.compile(r"\s+|\S+")  # `re`'s \s is exactly str.isspace(), the test the released code uses
+
+
+def byte_chars() -> tuple[str, ...]:
+    """GPT-2's bytes_to_unicode: byte b -> one printable character (printable bytes map to themselves). The token
+    strings of llama.cpp's BPE vocabularies and of transformers' byte-level tokenizers are bytes through it.
+    (`tokenization_kimi.py` keeps its own copy: it runs without kimik3.)"""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), 256))
+    chars, extra = [], 0
+    for b in range(256):
+        chars.append(chr(b) if b in keep else chr(256 + extra))
+        extra += b not in keep
+    return tuple(chars)
 
 
 def load_ranks(path: str | Path) -> dict[bytes, int]:

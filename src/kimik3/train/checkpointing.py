@@ -120,10 +120,8 @@ def save_checkpoint(root: Path, step: int, model_to_save: nn.Module, k3cfg: K3Co
     tokenizer as `tiktoken.model` (whatever the run's file is called). adapter_only: write `model_to_save`'s
     LoRA adapter (`adapter/`) instead of the weights."""
     from kimik3.checkpoint import publish_atomically, save
-    from kimik3.checkpoint.folder import copy_durably
 
     source = _companion_source(config_json)
-    tokenizer = source if source is not None and source.is_file() else None
     if eos_id is not None:
         k3cfg = with_eos(k3cfg, eos_id)
 
@@ -134,10 +132,8 @@ def save_checkpoint(root: Path, step: int, model_to_save: nn.Module, k3cfg: K3Co
             save_adapter(model_to_save, tmp / ADAPTER, base_name_or_path=(config_json.get("model") or {}).get(
                 "checkpoint"))
         else:
-            save(model_to_save, tmp / "model", experts="bf16", dtype=torch.float32, config=k3cfg,
-                 source=None if tokenizer is not None else source, quiet=True)
-            if tokenizer is not None:
-                copy_durably(tokenizer, tmp / "model" / "tiktoken.model")
+            save(model_to_save, tmp / "model", experts="bf16", dtype=torch.float32, config=k3cfg, source=source,
+                 quiet=True)  # a tokenizer file lands as tiktoken.model, with the HF tokenizer files beside it
         with open(tmp / TRAINER_STATE, "wb") as f:
             torch.save(trainer_state, f)
             f.flush()

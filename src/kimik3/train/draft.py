@@ -162,7 +162,7 @@ class DraftTrainer:
         end = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
         progress = Progress(self.progress_mode, c.train.steps, self.step, c.log.every)
         try:
-            while self.step < end:
+            while self.step < end and not progress.closed:  # nobody reads the output any more: stop, save
                 record = self._train_one_step()
                 progress.update(self.step, record["loss"], record["tokens_per_s"])
                 if self.valid is not None and c.eval.every and self.step % c.eval.every == 0:

@@ -12,12 +12,14 @@ the step. Under torchrun every rank runs this same loop (FSDP2 data parallel).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import re
 import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +41,13 @@ from kimik3.train.step import evaluate, keep_routers_fp32, train_step
 
 # a resumed run must read the same rows in the same order: these keys (and the rows per step) must not change
 RESUME_KEYS = ("data.train", "data.seq_len", "data.shuffle", "data.seed", "optim.name")
+# keys that only shape how a run begins: a resumed run's weights and random state come from its checkpoint
+START_KEYS = ("model.init_seed", "train.seed")
 
 
 def _dotted(d: dict, key: str):
     section, name = key.split(".")
-    return d[section][name]
+    return (d.get(section) or {}).get(name)
 
 
 def _fresh_out_dir(out_dir: str) -> str:
@@ -143,6 +147,16 @@ class Trainer:
                              f"continue that run. To start over, run in another folder: --set out_dir={fresh}. To "
                              "start from its weights instead, also replace model.config in the run config with "
                              f"model.checkpoint = \"{path / 'model'}\"")
+        ignored = [key for key in START_KEYS if _dotted(old, key) not in (None, _dotted(new, key))]
+        if ignored and self.env.is_main:
+            said = ", ".join(f"{key} {_dotted(old, key)!r} -> {_dotted(new, key)!r}" for key in ignored)
+            warnings.warn(f"resuming {path}: {said} has no effect (it sets how a run begins; a resumed run's weights "
+                          "and random state come from its checkpoint); to apply it, start in another folder: "
+                          f"--set out_dir={_fresh_out_dir(self.cfg.out_dir)}", stacklevel=2)
+        for key in ignored:  # the run's later checkpoints record the values it began with
+            section, name = key.split(".")
+            part = dataclasses.replace(getattr(self.cfg, section), **{name: _dotted(old, key)})
+            self.cfg = dataclasses.replace(self.cfg, **{section: part})
         if self.cfg.lora is not None:
             lora.load_weights(self.lm, path / ckpt.ADAPTER)
         if self.env.world_size == 1:
@@ -269,6 +283,7 @@ class Trainer:
                     if self._due(c.checkpoint.every):
                         self._save()
                         saved_at = self.step
+                    self._stop = self._stop or progress.closed  # nobody reads the run's output: as Ctrl-C
                     if self._stop_requested():
                         status = "interrupted"
                         break

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -99,15 +100,32 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def _console():
+    """A rich console on stderr whose closed pipe is a BrokenPipeError for `Progress` to handle: rich's own
+    handling exits the process (SystemExit(1)), which ended a run without saving it."""
+    from rich.console import Console
+
+    class StderrConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return StderrConsole(stderr=True)
+
+
 class Progress:
-    """How a run shows its steps on rank 0: `mode` "bar" (rich: step, loss, tokens/s, ETA), "lines" (a log line
-    to stderr every `every` steps and at the last one, and evaluations: for logs and `--no-progress`) or "off"
-    (the other ranks)."""
+    """How a run shows its steps on rank 0, on stderr: `mode` "bar" (rich: step, loss, tokens/s, ETA), "lines" (a
+    log line every `every` steps and at the last one, and evaluations: for logs and `--no-progress`) or "off"
+    (the other ranks). A bar asked for where stderr is no terminal shows lines (rich would hold everything until
+    the run ends). `closed` turns true when the reader of stderr went away (`kimik3 train 2>&1 | head`): the
+    display stops and the trainer stops as on Ctrl-C, saving first."""
 
     def __init__(self, mode: str, total: int, start: int, every: int = 1):
         if mode not in ("bar", "lines", "off"):
             raise ValueError(f"progress mode must be bar, lines or off, got {mode!r}")
-        self.mode, self.total, self.every, self.bar = mode, total, every, None
+        if mode == "bar" and not sys.stderr.isatty():
+            mode = "lines"
+        self.mode, self.total, self.every, self.bar, self.closed = mode, total, every, None, False
         self.t0 = time.monotonic()
         if mode != "bar":
             return
@@ -116,23 +134,39 @@ class Progress:
 
         self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                console=_console())
         self.task = self.bar.add_task("train", total=total, completed=start, loss="-", tps="-")
-        self.bar.start()
+        self._show(self.bar.start)
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+            self._show(lambda: self.bar.update(self.task, completed=step, loss=f"{loss:.4f}",
+                                               tps=f"{tokens_per_s:,.0f}"))
         elif self.mode == "lines" and (step % self.every == 0 or step == self.total):
             self.print(f"step {step}/{self.total}: loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s, "
                        f"{time.monotonic() - self.t0:.0f} s")
 
     def print(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.console.print(text)
+            self._show(lambda: self.bar.console.print(text))
         elif self.mode == "lines":
-            print(f"kimik3 train: {text}", file=sys.stderr, flush=True)
+            self._show(lambda: print(f"kimik3 train: {text}", file=sys.stderr, flush=True))
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.stop()
+            self._show(self.bar.stop)
+
+    def _show(self, write) -> None:
+        if self.closed:
+            return
+        try:
+            write()
+        except BrokenPipeError:
+            self.closed = True
+            try:  # what is still buffered would fail again at exit
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stderr.fileno())
+                os.close(devnull)
+            except (OSError, ValueError):  # not a real file (a test's capture)
+                pass

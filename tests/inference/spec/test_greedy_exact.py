@@ -51,3 +51,14 @@ def test_dspark_sampling_runs_with_draft_probs(demo):
     prop = DSparkProposer(load_drafter(DEMO_DRAFTER), lm, sample=True, temperature=0.8, generator=g)
     out = speculative_generate(lm, prop, prompts[0], 8, SamplingParams(temperature=0.8, top_k=50), 7, generator=g)
     assert len(out) == 8 and all(0 <= t < lm.config.vocab_size for t in out)
+
+
+def test_a_truncated_drafter_is_one_error_naming_its_file(tmp_path):
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    for f in DEMO_DRAFTER.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    with pytest.raises(ValueError, match=f"^{weights}: truncated: "):
+        load_drafter(folder)

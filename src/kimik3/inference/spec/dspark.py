@@ -14,9 +14,10 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from kimik3.checkpoint.safetensors_header import read_tensors
 from kimik3.inference.spec.drafter import DraftConfig, DSparkDrafter
 from kimik3.inference.spec.proposer import Draft
 
@@ -46,7 +47,7 @@ def load_drafter(folder: str | Path, device: str | torch.device = "cpu") -> DSpa
     except json.JSONDecodeError as e:
         raise ValueError(f"{folder / CONFIG}: not valid JSON ({e})") from None
     drafter = DSparkDrafter(DraftConfig.from_dict(raw))
-    state = load_file(str(folder / WEIGHTS))
+    state = read_tensors(folder / WEIGHTS)
     want = drafter.state_dict()
     missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     if missing or unexpected:
