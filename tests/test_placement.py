@@ -196,3 +196,12 @@ def test_a_larger_checkpoint_with_most_experts_in_host_memory_generates(tmp_path
     with torch.no_grad():
         want = [c.token_ids for c in generate(whole, prompts, GREEDY)]
         assert [c.token_ids for c in generate(tiered, prompts, GREEDY)] == want
+
+
+def test_generate_says_the_hit_rate_when_verbose(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kimik3", "generate", "--prompt", "ROMEO:", "--max-new-tokens", "8",
+                          "--cpu-offload-gb", "0.003", "--expert-trace", str(tmp_path / "t.json"), "-v"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "expert cache:" in out.stderr and "% hits of" in out.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["kimik3"] == "expert-trace"  # written at exit

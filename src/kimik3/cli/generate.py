@@ -59,9 +59,9 @@ def read_prompt(args) -> str:
 
 
 def report(tokens: int, seconds: float, engine) -> None:
-    """The run in one line on stderr: tokens, time, rate, and the engine's speculative counters (acceptance rate:
+    """The run in one line on stderr: tokens, time, rate, the engine's speculative counters (acceptance rate:
     accepted draft tokens / draft tokens; mean accepted length: tokens committed per verification step, the bonus
-    included)."""
+    included) and, with tiered experts, the expert cache's hit rate."""
     line = f"kimik3 generate: {tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s)"
     if engine.speculator is not None:
         spec, stats = engine.config.speculative, engine.speculator.stats
@@ -70,6 +70,11 @@ def report(tokens: int, seconds: float, engine) -> None:
         line += (f"; speculative {spec.method}, k = {spec.num_speculative_tokens}: acceptance rate {rate} "
                  f"({accepted} of {drafted} draft tokens in {stats.spec_decode_num_drafts} drafts), mean "
                  f"accepted length {stats.mean_accepted_length:.2f}")
+    tiers = engine.stats
+    if "expert_cache_hits" in tiers:  # --cpu-offload-gb: how often a routed expert was in the GPU's cache
+        rows = tiers["expert_cache_hits"] + tiers["expert_cache_misses"]
+        line += (f"; expert cache: {tiers['expert_cache_hits'] / max(rows, 1):.1%} hits of {rows} routed rows, "
+                 f"{tiers['expert_cache_bytes_copied'] / 1e9:.2f} GB copied")
     print(line, file=sys.stderr)
 
 
