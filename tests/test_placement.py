@@ -205,3 +205,13 @@ def test_generate_says_the_hit_rate_when_verbose(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "expert cache:" in out.stderr and "% hits of" in out.stderr
     assert json.loads((tmp_path / "t.json").read_text())["kimik3"] == "expert-trace"  # written at exit
+
+
+def test_a_gguf_loads_tiered_too(resident, tmp_path):
+    pytest.importorskip("gguf")
+    out = subprocess.run([sys.executable, "-m", "kimik3", "convert", str(DEMO_MODEL), str(tmp_path / "demo.gguf")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    model = kimik3.load(tmp_path / "demo.gguf", dtype="float32", cpu_offload_gb=0.003, quiet=True).eval()
+    assert {m.cache.num_slots for _, m in tiered_layers(model)} == {2}
+    assert _tokens(model) == resident

@@ -165,6 +165,22 @@ def tier_experts(model: nn.Module, slots: int, device: torch.device | str, *, st
     return tier
 
 
+def tier_by_budget(model: nn.Module, cfg: TextConfig, device: torch.device, cpu_offload_gb: float | str,
+                   misses: str = "auto", reserve_bytes: int | None = None, num_experts: int | None = None) -> bool:
+    """Put a model's routed experts (on the meta device, MXFP4-packed, as a loader builds it) into two tiers as
+    `cpu_offload_gb` asks (`plan_experts`; the rest of the model's bytes and `reserve_bytes` count against "auto");
+    returns whether it did (a budget that holds every expert leaves them all on the device)."""
+    experts = {id(t) for m in model.modules() if isinstance(m, MXFP4Experts) for t in m.buffers()}
+    other = sum(t.nbytes for t in model.state_dict().values() if id(t) not in experts)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    plan = plan_experts(cfg, cpu_offload_gb, num_experts=num_experts, free_bytes=free, other_bytes=other,
+                        reserve_bytes=WORKSPACE if reserve_bytes is None else reserve_bytes)
+    if not plan.tiered:
+        return False
+    tier_experts(model, plan.slots, device, staging=plan.staging, misses=misses)
+    return True
+
+
 def tiered_layers(model: nn.Module) -> list[tuple[str, TieredExperts]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, TieredExperts)]
 

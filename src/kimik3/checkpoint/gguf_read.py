@@ -36,6 +36,7 @@ from kimik3.checkpoint.keys import RELEASED_QUANTIZATION, checkpoint_prefix
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.ops.mxfp4 import decode, encode
+from kimik3.placement import fill_slots, load_trace, tier_by_budget
 from kimik3.quant import pack_experts
 from kimik3.tokenizer import Tokenizer
 
@@ -172,8 +173,11 @@ def write_companions(path: str | Path, folder: Path) -> None:
 
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-              keep_experts_packed: bool = False, quiet: bool = False) -> K3ForConditionalGeneration:
-    """The text model of a kimi-k3 GGUF (see `kimik3.load`, which calls this for a `.gguf` path).
+              keep_experts_packed: bool = False, quiet: bool = False, cpu_offload_gb: float | str | None = None,
+              expert_misses: str = "auto", expert_trace: str | Path | None = None,
+              offload_reserve_bytes: int | None = None) -> K3ForConditionalGeneration:
+    """The text model of a kimi-k3 GGUF (see `kimik3.load`, which calls this for a `.gguf` path, and its expert
+    tiering arguments).
 
     Raises:
         FileNotFoundError: a missing file or split part.
@@ -182,14 +186,17 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | str | None = None, devic
     src = open_gguf(path)
     cfg = src.config()
     dtype = parse_dtype(dtype) or stored_dtype(cfg)
+    offload = cpu_offload_gb not in (None, 0)
     with torch.device("meta"):
         model = K3ForConditionalGeneration(cfg, dtype)
-        if keep_experts_packed:
+        if keep_experts_packed or offload:
             pack_experts(model)
     prefix = checkpoint_prefix(model)
     state_names = [prefix + n for n in model.state_dict(keep_vars=True)]
     entries = plan(state_names, cfg)
     _check_names(src, entries)
+    device = torch.device(device)
+    tiered = offload and tier_by_budget(model, cfg.text, device, cpu_offload_gb, expert_misses, offload_reserve_bytes)
     model.to_empty(device=device)
     state = {prefix + n: t for n, t in model.state_dict().items()}
     lossy: dict[str, int] = {}
@@ -205,6 +212,10 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | str | None = None, devic
         size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         print(f"kimik3: {src.path.name}: {what} (not exact; the model takes {size / 2**30:.2f} GiB in "
               f"{str(dtype).removeprefix('torch.')})", file=sys.stderr)
+    if tiered:
+        if expert_trace is not None and Path(expert_trace).exists():
+            load_trace(model, expert_trace)
+        fill_slots(model)
     setattr(model, LOADED_FROM, src.path)
     return model
 

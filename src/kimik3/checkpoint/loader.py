@@ -49,9 +49,8 @@ from kimik3.checkpoint.safetensors_header import TensorEntry
 from kimik3.checkpoint.sharded import ExpertShard, slice_experts
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
-from kimik3.model.moe import MXFP4Experts
 from kimik3.ops.mxfp4 import decode, encode
-from kimik3.placement import WORKSPACE, fill_slots, load_trace, plan_experts, tier_experts
+from kimik3.placement import fill_slots, load_trace, tier_by_budget
 from kimik3.quant import pack_experts
 
 
@@ -107,7 +106,8 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
         from kimik3.checkpoint.gguf_read import load_gguf
 
         return load_gguf(path, dtype=dtype, device=_parse_device(device), keep_experts_packed=keep_experts_packed,
-                         quiet=quiet)
+                         quiet=quiet, cpu_offload_gb=cpu_offload_gb, expert_misses=expert_misses,
+                         expert_trace=expert_trace, offload_reserve_bytes=offload_reserve_bytes)
     return load_sharded(resolve(path, revision), dtype=dtype, device=device, text_only=text_only,
                         keep_experts_packed=keep_experts_packed, quiet=quiet, expert_shard=expert_shard,
                         experts=experts, cpu_offload_gb=cpu_offload_gb, expert_misses=expert_misses,
@@ -166,7 +166,8 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
         entries = [e for e in entries if shard.reads(e.name)]
     if shard_model is not None:
         shard_model(model)
-    tiered = offload and _tier(model, cfg, device, cpu_offload_gb, expert_misses, offload_reserve_bytes, shard)
+    tiered = offload and tier_by_budget(model, cfg.text, device, cpu_offload_gb, expert_misses, offload_reserve_bytes,
+                                        shard.count if shard is not None else None)
     model.to_empty(device=device)
     _fill(model, folder.path, entries, device, quiet, shard.start if shard is not None else 0, slice_of)
     if tiered:
@@ -175,21 +176,6 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
         fill_slots(model)
     setattr(model, LOADED_FROM, folder.path)
     return model
-
-
-def _tier(model: nn.Module, cfg: K3Config, device: torch.device, cpu_offload_gb: float | str, misses: str,
-          reserve: int | None, shard: ExpertShard | None) -> bool:
-    """Put the meta model's routed experts into two tiers as `cpu_offload_gb` asks (`kimik3.placement`); returns
-    whether it did (a budget that holds every expert leaves them all on the device)."""
-    experts = {id(t) for m in model.modules() if isinstance(m, MXFP4Experts) for t in m.buffers()}
-    other = sum(t.nbytes for t in model.state_dict().values() if id(t) not in experts)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    plan = plan_experts(cfg.text, cpu_offload_gb, num_experts=shard.count if shard is not None else None,
-                        free_bytes=free, other_bytes=other, reserve_bytes=WORKSPACE if reserve is None else reserve)
-    if not plan.tiered:
-        return False
-    tier_experts(model, plan.slots, device, staging=plan.staging, misses=misses)
-    return True
 
 
 def _keep_packed(keep_experts_packed: bool, experts: str | None) -> bool:
