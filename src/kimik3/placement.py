@@ -161,6 +161,8 @@ def tier_experts(model: nn.Module, slots: int, device: torch.device | str, *, st
         if tier is None:
             tier = HostTier(device, [empty_experts(packed, min(staging, E), device) for _ in range(2)], misses)
         moe.experts = TieredExperts(host, empty_experts(packed, slots, device), ExpertCache(E, slots), tier)
+        if getattr(old, "expert_shard", None) is not None:  # this rank's experts of an expert-parallel model
+            moe.experts.expert_shard = old.expert_shard
         del old, packed
     return tier
 

@@ -175,7 +175,9 @@ def _parallel(args):
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     shards = load_tensor_parallel if args.parallel == "tp" else load_expert_parallel
 
-    def loader(path, *, dtype, device, text_only, quiet, keep_experts_packed):
-        return shards(path, dtype=dtype, device=env.device, text_only=text_only, quiet=not env.is_main)
+    def loader(path, *, dtype, device, text_only, quiet, keep_experts_packed, **tiers):
+        if tiers and args.parallel == "tp":
+            raise ValueError("--cpu-offload-gb with --parallel tp: tiers hold whole experts; use --parallel ep")
+        return shards(path, dtype=dtype, device=env.device, text_only=text_only, quiet=not env.is_main, **tiers)
 
     return loader, functools.partial(dist.broadcast, src=0)
