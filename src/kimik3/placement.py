@@ -188,9 +188,11 @@ def tiered_layers(model: nn.Module) -> list[tuple[str, TieredExperts]]:
 
 
 @torch.no_grad()
-def fill_slots(model: nn.Module) -> None:
-    """Copy each tiered layer's hottest experts (by its cache's counts: a loaded trace, else the lowest ids) into
-    its slots."""
+def fill_slots(model: nn.Module, trace: str | Path | None = None) -> None:
+    """Copy each tiered layer's hottest experts (by its cache's counts: `trace`'s when that file exists
+    (`load_trace`), else the lowest ids) into its slots."""
+    if trace is not None and Path(trace).exists():
+        load_trace(model, trace)
     for _, m in tiered_layers(model):
         w = m.weights()
         for s, e in enumerate(m.cache.hottest()):

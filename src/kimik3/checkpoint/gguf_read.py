@@ -36,7 +36,7 @@ from kimik3.checkpoint.keys import RELEASED_QUANTIZATION, checkpoint_prefix
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.ops.mxfp4 import decode, encode
-from kimik3.placement import fill_slots, load_trace, tier_by_budget
+from kimik3.placement import fill_slots, tier_by_budget
 from kimik3.quant import pack_experts
 from kimik3.tokenizer import Tokenizer
 
@@ -213,9 +213,7 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | str | None = None, devic
         print(f"kimik3: {src.path.name}: {what} (not exact; the model takes {size / 2**30:.2f} GiB in "
               f"{str(dtype).removeprefix('torch.')})", file=sys.stderr)
     if tiered:
-        if expert_trace is not None and Path(expert_trace).exists():
-            load_trace(model, expert_trace)
-        fill_slots(model)
+        fill_slots(model, expert_trace)
     setattr(model, LOADED_FROM, src.path)
     return model
 

@@ -50,7 +50,7 @@ from kimik3.checkpoint.sharded import ExpertShard, slice_experts
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
 from kimik3.ops.mxfp4 import decode, encode
-from kimik3.placement import fill_slots, load_trace, tier_by_budget
+from kimik3.placement import fill_slots, tier_by_budget
 from kimik3.quant import pack_experts
 
 
@@ -171,9 +171,7 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
     model.to_empty(device=device)
     _fill(model, folder.path, entries, device, quiet, shard.start if shard is not None else 0, slice_of)
     if tiered:
-        if expert_trace is not None and Path(expert_trace).exists():
-            load_trace(model, expert_trace)
-        fill_slots(model)
+        fill_slots(model, expert_trace)
     setattr(model, LOADED_FROM, folder.path)
     return model
 

@@ -39,8 +39,6 @@ def _gib(n: int) -> str:
 
 
 def run(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
 
     from kimik3.inference.memory import memory_report
     from kimik3.presets import load_config
@@ -60,20 +58,25 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({name: n for name, n in rows}, indent=2))
         return 0
-    table = Table(title=f"memory: batch {r.batch}, context {r.context:,}")
-    table.add_column("item")
+    _print_bytes(f"memory: batch {r.batch}, context {r.context:,}", "item", rows)
+    return 0
+
+
+def _print_bytes(title: str, first: str, rows: list[tuple[str, int]]) -> None:
+    """A table of (name, bytes) rows with each size in GiB beside it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column(first)
     table.add_column("bytes", justify="right")
     table.add_column("", justify="right")
     for name, n in rows:
         table.add_row(name, f"{n:,}", _gib(n))
     Console().print(table)
-    return 0
 
 
 def _plan(cfg, args, context: int) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from kimik3.inference.memory import tier_plan
 
     g = 1e9
@@ -93,13 +96,7 @@ def _plan(cfg, args, context: int) -> int:
     if args.json:
         print(json.dumps({**{name: n for name, n in rows}, **summary}, indent=2))
         return 0
-    table = Table(title=f"expert tiering: {t.gpus} x {args.gpu_gib:g} GiB devices, {args.host_gib:g} GiB host")
-    table.add_column("where")
-    table.add_column("bytes", justify="right")
-    table.add_column("", justify="right")
-    for name, n in rows:
-        table.add_row(name, f"{n:,}", _gib(n))
-    Console().print(table)
+    _print_bytes(f"expert tiering: {t.gpus} x {args.gpu_gib:g} GiB devices, {args.host_gib:g} GiB host", "where", rows)
     print(f"hit rate under uniform routing: {p.uniform_hit_rate:.1%}; decode at batch {t.batch}: "
           f"{t.missed_bytes / 1e9:.2f} GB of misses a step and device ({t.miss_seconds * 1e3:.1f} ms at "
           f"{args.link_gbps:g} GB/s link, {args.host_gbps:g} GB/s host memory, {args.host_kernel_gbps:g} GB/s host "
