@@ -68,7 +68,8 @@ def test_presets_and_demo_model_are_package_data():
 def test_pyproject_declares_package_data_extras_and_tomli():
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     data = meta["tool"]["setuptools"]["package-data"]["kimik3"]
-    assert {"py.typed", "configs/*.json", "configs/train/*", "demo/k3-shakespeare/*"} <= set(data)
+    assert {"py.typed", "configs/*.json", "configs/train/*", "demo/k3-shakespeare/*", "ops/moe/*.c",
+            "tokenizer/*.jinja", "hf/tasks/*"} <= set(data)
     assert (PACKAGE_DIR / "py.typed").is_file()
     assert "fla-core==0.6.0" in meta["project"]["optional-dependencies"]["gpu"]
     assert any(d.startswith("tomli") and "python_version < '3.11'" in d for d in meta["project"]["dependencies"])
@@ -138,6 +139,13 @@ def test_installed_package_runs_outside_the_repository(fresh_venv, how, tmp_path
         assert '"quantization": true' in sh([str(py), "-c", SAVE_TINY], run_dir)
         text = sh([kimik3_bin, "generate", "--prompt", "ROMEO:"], run_dir)  # the README's first command
         assert text.startswith("ROMEO:") and len(text) > 40, text
+        # expert tiering: the host kernel's C source ships and builds where the package is installed
+        tiered = subprocess.run([kimik3_bin, "generate", "--prompt", "ROMEO:", "--max-new-tokens", "8", "-v",
+                                 "--cpu-offload-gb", "0.003", "--expert-misses", "host"], cwd=run_dir,
+                                capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "KIMIK3_CACHE": str(tmp_path / "cache")})
+        assert tiered.returncode == 0 and "expert cache:" in tiered.stderr, tiered.stderr[-2000:]
+        assert list((tmp_path / "cache" / "ext").glob("host_experts-*.so"))
         # the training presets ship too: the README's training run needs no clone (one step here)
         sh([kimik3_bin, "train", "tiny", "--stop-at", "1", "--no-progress"], run_dir)
         assert (run_dir / "out/tiny-train/checkpoints/step-00000001/model/tiktoken.model").is_file()
