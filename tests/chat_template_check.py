@@ -91,6 +91,20 @@ def spells_special(segments: list[Segment]) -> bool:
     return any(kind not in (SPECIAL, MARKUP) and _SPECIAL_NAME.search(text) for text, kind, _ in segments)
 
 
+def value_merges(segments: list[Segment]) -> bool:
+    """An attribute value (a message's `name`, a tool's name) that the pre-tokenizer would join to the `="` or `"`
+    around it, e.g. `name="-1"`: `encode_chat` encodes it apart, as the released encoder does, but no text template
+    can (docs/gguf.md lists it). True only when the merge is the value's: with every value replaced by a plain word
+    the run must split where the segments do, so markup that merges with markup still fails the check."""
+    for run in _runs(segments):
+        if _PRETOKEN.findall("".join(run)) == [t for piece in run for t in _PRETOKEN.findall(piece)]:
+            continue
+        plain = [("x" if k and run[k - 1] == '="' else piece) for k, piece in enumerate(run)]
+        if _PRETOKEN.findall("".join(plain)) == [t for piece in plain for t in _PRETOKEN.findall(piece)]:
+            return True
+    return False
+
+
 def check_segments(segments: list[Segment], messages, kwargs) -> None:
     """Assert the template renders `segments` (build_segments' output for messages, kwargs) to the same ids."""
     text = render(with_parsed_arguments(messages), **kwargs)

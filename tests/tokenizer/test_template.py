@@ -11,7 +11,7 @@ import pytest
 from kimik3.presets import DEMO_MODEL
 from kimik3.tokenizer import CHAT_TEMPLATE, Tokenizer, encode_chat, image_prompt
 from kimik3.tokenizer.chat import build_segments
-from tests.chat_template_check import check_segments, render
+from tests.chat_template_check import check_segments, render, value_merges
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now, in °C",
                                             "parameters": {"type": "object", "required": ["city"],
@@ -84,3 +84,17 @@ def test_check_catches_text_the_pre_tokenizer_would_join():
     messages = [{"role": "user", "content": [{"type": "text", "text": "a:"}, {"type": "text", "text": "<b"}]}]
     with pytest.raises(AssertionError, match="pre-tokenizer merges"):
         check_segments(build_segments(messages), messages, {})  # this module's name: the function itself, unchecked
+
+
+def test_value_merges_names_only_a_value_joined_to_its_quotes():
+    """The conftest's second exemption: `name="-1"` pre-tokenizes as `="-` in one string, which no template can
+    avoid; plain names, and markup joined to markup, are not exempt."""
+    assert value_merges(build_segments([{"role": "user", "name": "-1", "content": "x"}]))
+    assert not value_merges(build_segments([{"role": "user", "name": "ada", "content": "x"}]))
+    joined_text = [{"role": "user", "content": [{"type": "text", "text": "a:"}, {"type": "text", "text": "<b"}]}]
+    assert not value_merges(build_segments(joined_text))
+
+
+def test_a_name_that_is_not_a_string_is_refused():
+    with pytest.raises(ValueError, match=r"messages\[0\]\.name must be a str, got dict"):
+        build_segments([{"role": "user", "name": {"a": 1}, "content": "x"}])

@@ -329,6 +329,8 @@ def build_segments(messages: Sequence[dict], *, tools: list | None = None, think
         if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "tool"):
             role = msg.get("role") if isinstance(msg, dict) else type(msg).__name__
             raise ValueError(f"chat: messages[{i}].role must be system, user, assistant or tool, got {role!r}")
+        if msg.get("name") is not None and not isinstance(msg["name"], str):  # OpenAI's schema: a string
+            raise ValueError(f"chat: messages[{i}].name must be a str, got {type(msg['name']).__name__}")
 
     segs: list[Segment] = []
     if tools:
