@@ -55,7 +55,10 @@ def decode_short_conv(x_NP: Tensor, tails_SWP: Tensor, slots_N: Tensor, weight_P
     window_NWP = torch.cat([tails_SWP[slots_N], x_NP[:, None]], dim=1)
     tails_SWP.index_copy_(0, slots_N, window_NWP[:, 1:])
     p_NWP = window_NWP.float() * weight_PW.float().T
-    y_NP = p_NWP[:, 0]
-    for j in range(1, p_NWP.shape[1]):
+    # newest tap first, as `short_conv` and `gathered_short_conv` sum: a decode row then equals the same token's row
+    # in a prefill or a verification step bit for bit (speculation and chunking keep greedy tokens in bf16)
+    W = p_NWP.shape[1]
+    y_NP = p_NWP[:, W - 1]
+    for j in range(W - 2, -1, -1):
         y_NP = y_NP + p_NWP[:, j]
     return F.silu(y_NP).to(x_NP.dtype)

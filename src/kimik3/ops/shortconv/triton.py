@@ -34,15 +34,16 @@ def _decode_kernel(x_ptr, tails_ptr, slots_ptr, w_ptr, out_ptr, P, stride_xn, st
     mask = p < P
     tail = tails_ptr + tl.load(slots_ptr + n).to(tl.int64) * stride_ts + p
     w = w_ptr + p * stride_wp
-    row = tl.load(tail, mask=mask, other=0.0)
-    y = row.to(tl.float32) * tl.load(w, mask=mask, other=0.0)
-    for j in tl.static_range(1, W - 1):
-        row = tl.load(tail + j * stride_tw, mask=mask, other=0.0)
-        y += row.to(tl.float32) * tl.load(w + j, mask=mask, other=0.0)
-        tl.store(tail + (j - 1) * stride_tw, row, mask=mask)  # row j-1 was read in the step before
+    # newest tap first, as the prefill and gathered kernels sum (a decode row equals its row in a verification or
+    # prefill step); each tail row, once read, takes the row after it (the new input goes last)
     x = tl.load(x_ptr + n * stride_xn + p, mask=mask, other=0.0)
-    y += x.to(tl.float32) * tl.load(w + (W - 1), mask=mask, other=0.0)
-    tl.store(tail + (W - 2) * stride_tw, x, mask=mask)
+    y = x.to(tl.float32) * tl.load(w + (W - 1), mask=mask, other=0.0)
+    newer = x
+    for s in tl.static_range(1, W):
+        row = tl.load(tail + (W - 1 - s) * stride_tw, mask=mask, other=0.0)
+        y += row.to(tl.float32) * tl.load(w + (W - 1 - s), mask=mask, other=0.0)
+        tl.store(tail + (W - 1 - s) * stride_tw, newer, mask=mask)
+        newer = row
     out = tl.div_rn(y, 1.0 + tl.exp(-y))
     tl.store(out_ptr + n * P + p, round_to(out, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
