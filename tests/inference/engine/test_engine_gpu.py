@@ -176,3 +176,19 @@ def test_speculative_verification_graphs_bf16(models):
         assert n >= 6, f"speculative and plain decodes part after {n} tokens"
         assert rel_err(torch.tensor([lp.logprob for lp in x.outputs[0].logprobs[:n + 1]]),
                        torch.tensor([lp.logprob for lp in y.outputs[0].logprobs[:n + 1]])) < 2e-2
+
+
+@torch.no_grad()
+def test_verification_graphs_of_several_k_in_one_process(models):
+    """Engines of k = 7, then 3, then 1 and 5 capture their verification graphs one after another in one process
+    (bench_spec's k=3 row after its k=7 rows failed with cudaErrorStreamCaptureInvalidated), each with the earlier
+    engines dropped; each runs to the end and accepts drafts (the test above compares the tokens)."""
+    *_, gpu = models
+    ps = prompts((30, 9, 50, 17, 12), seed=11)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    for k in (7, 3, 1, 5):
+        ref, out, eng = _oracle_run(gpu, ps, params, 0.7, k, graphs=True)
+        assert any(key[2] == 1 + k for key in eng.runner.graphs)
+        assert [len(x.outputs[0].token_ids) for x in out] == [12] * len(ps)
+        assert eng.stats["spec_decode_num_accepted_tokens"] > 0
+        del ref, out, eng

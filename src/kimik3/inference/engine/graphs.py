@@ -16,6 +16,7 @@ runner. Legend: S slots, MB blocks per table, R rows, L row length, T = R*L pack
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -122,10 +123,22 @@ def capture(fn: Callable[[], object], handle, warmups: int):
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     pieces = Pieces(handle)
-    with torch.cuda.stream(torch.cuda.Stream()), torch.no_grad(), graph_holes(pieces) as holes:
-        pieces.begin()
-        out = fn()
-        pieces.end()
+    # no garbage collection inside a capture: an earlier engine's objects freed there release pinned host buffers,
+    # whose allocator records and queries CUDA events, calls that invalidate a global-mode capture (the likeliest
+    # cause of bench_spec's cudaErrorStreamCaptureInvalidated, raised at the next launch, fla's gated norm, when
+    # a k=3 engine captured after k=7 engines in one process; not reproduced off the device). vLLM and SGLang
+    # collect before capturing and keep the collector off during it, for the same reason.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(torch.cuda.Stream()), torch.no_grad(), graph_holes(pieces) as holes:
+            pieces.begin()
+            out = fn()
+            pieces.end()
+    finally:
+        if was_enabled:
+            gc.enable()
     pieces.holes = holes
     return pieces, out
 

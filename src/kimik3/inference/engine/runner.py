@@ -72,6 +72,8 @@ class ModelRunner:
         self.model, self.pool, self.max_blocks, self.adapters = model, pool, max_blocks, adapters
         self.taps = taps
         self.device = next(model.parameters()).device
+        # on the CPU verification steps run as static steps unless told otherwise (below)
+        verify_static = use_cuda_graphs is None and self.device.type == "cpu" and adapters is None
         if use_cuda_graphs is None:  # on CUDA in 16-bit: fp32 routed experts run the reference loop, which reads
             # expert counts on the host and so cannot be captured; nor can adapters' per-row updates (tiered experts
             # can: each tiered layer is a hole between the graphs of a step, `graphs.Pieces`)
@@ -79,16 +81,20 @@ class ModelRunner:
         self.table = BlockTable(pool, max_blocks)
         self.sizes = sorted({n for n in GRAPH_BUCKETS if n < max_num_seqs} | {max_num_seqs})
         self.verify_len = verify_len
-        self.verify_sizes = sorted({n for n in self.sizes if n < VERIFY_GRAPH_ROWS} | {min(VERIFY_GRAPH_ROWS,
-                                                                                            self.sizes[-1])})
+        # on CUDA one memory pool for all the graphs; on the CPU the same static steps run eagerly (their form)
+        self.static = use_cuda_graphs
+        self.handle = torch.cuda.graph_pool_handle() if use_cuda_graphs and self.device.type == "cuda" else None
+        # static verification steps run the recurrent KDA kernel over each row, as decode runs it (the chunked
+        # kernel sums in another order: in bf16 a verified row's logits then differ from decode's and speculation
+        # changed greedy tokens); on the CPU for any number of rows (no graph memory to bound)
+        self.static_verify = self.static or verify_static
+        self.verify_sizes = self.sizes if self.handle is None else sorted(
+            {n for n in self.sizes if n < VERIFY_GRAPH_ROWS} | {min(VERIFY_GRAPH_ROWS, self.sizes[-1])})
         self.kda = [(layer.self_attn, view) for layer, view in zip(model.model.layers, pool.layers)
                     if isinstance(view, KDAView)]
         self.buffers = VerifyBuffers(pool, len(self.kda), self.verify_sizes[-1], verify_len)
         self.graphs: dict[tuple[int, int, int], StepGraph] = {}  # (rows, span, row_len)
         self.commit_graphs: dict[int, CommitGraph] = {}  # rows
-        # on CUDA one memory pool for all the graphs; on the CPU the same static steps run eagerly (their form)
-        self.static = use_cuda_graphs
-        self.handle = torch.cuda.graph_pool_handle() if use_cuda_graphs and self.device.type == "cuda" else None
         if self.handle is not None:
             for n in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
                 self.graph(n, span_bucket(1, max_blocks), 1)
@@ -134,7 +140,8 @@ class ModelRunner:
         more rows than a graph has, every sequence inside the block table."""
         L = self.verify_len if any(c.seq.draft is not None for c in chunks) else 1
         sizes = self.verify_sizes if L > 1 else self.sizes
-        return (self.static and len(chunks) <= sizes[-1] and all(c.num_tokens <= L and not c.exports for c in chunks)
+        return ((self.static_verify if L > 1 else self.static) and len(chunks) <= sizes[-1]
+                and all(c.num_tokens <= L and not c.exports for c in chunks)
                 and (media is None or all(m is None for m in media))
                 and max(c.seq.num_computed for c in chunks) + L <= self.max_blocks * self.pool.block_size)
 
