@@ -1,6 +1,7 @@
 """The demo model with its shipped drafter and with suffix decoding, in the engine: greedy == no speculation, token
 for token, at batch 1 and 3; the drafter is accepted; after a prefix-cache hit (no taps for the restored prefix) the
-drafter resumes from its own record of the earlier sequence, and without one is off for that request."""
+drafter resumes from its record of an earlier or a running sequence, and without one drafts from the context after
+the restored prefix."""
 
 import pytest
 import torch
@@ -75,14 +76,40 @@ def test_drafter_after_a_prefix_hit_stays_exact_and_drafts(demo):
     assert again[0].cached_tokens > 0 and first == _ids(again) == ref
     # the drafter resumes from its context of the first run (the target never computed the restored prefix)
     assert engine.stats["spec_decode_num_drafts"] > drafts
-    # a restored prefix it holds no record of: exact, and no drafts for that request
+    # a restored prefix it holds no record of: exact, and it drafts from the context after the prefix
     warm = _engine(lm, speculative=METHODS["draft"])
     warm.speculator.proposer.keep_bytes = 0  # keeps no finished sequence's context
     warm.generate([long], params)
-    drafts = warm.stats["spec_decode_num_drafts"]
+    drafts, accepted = warm.stats["spec_decode_num_drafts"], warm.stats["spec_decode_num_accepted_tokens"]
     again = warm.generate([long], params)
     assert again[0].cached_tokens > 0 and _ids(again) == ref
-    assert warm.stats["spec_decode_num_drafts"] == drafts
+    assert warm.stats["spec_decode_num_drafts"] > drafts
+    assert warm.stats["spec_decode_num_accepted_tokens"] > accepted
+
+
+def test_a_request_restored_from_a_running_ones_prefix_drafts_with_its_context(demo):
+    """Requests sharing a prompt side by side: the second, admitted while the first runs, restores the first's
+    snapshot and takes the first's drafter context for those positions."""
+    from kimik3.inference.engine import Request
+    from kimik3.inference.engine.request import accumulate
+
+    lm, prompts = demo
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    first, second = prompts[2] * 3, prompts[2] * 3 + prompts[0]
+    ref = _ids(_engine(lm).generate([first, second], params))
+    engine = _engine(lm, speculative=METHODS["draft"])
+    proposer = engine.speculator.proposer
+    engine.add_request(Request("a", first, params))
+    done: dict = {}
+    accumulate(done, engine.step())  # the first's prompt, its snapshots in the prefix cache
+    assert engine.has_unfinished()
+    engine.add_request(Request("b", second, params))
+    while engine.has_unfinished():
+        accumulate(done, engine.step())
+    assert done["b"].cached_tokens > 0 and [done[r].outputs[0].token_ids for r in "ab"] == ref
+    (b,) = [t.id for seq, t in engine.speculator.tracks.items() if seq.tokens[: len(second)] == second]
+    # a context from position 0 (its first 64 positions the running first's), not one after the restored prefix
+    assert proposer.start.get(b, 0) == 0 and len(proposer.ctx[b]) == len(proposer.ids[b]) - 1
 
 
 def test_json_schema_output_with_speculation_equals_without(demo):

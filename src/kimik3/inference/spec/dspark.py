@@ -79,8 +79,9 @@ class DSparkProposer:
         min_confidence: stop drafting once the product of the confidence head's probabilities falls below it
             (0: always draft k; the first draft token is always proposed).
         keep_bytes: how much context of finished sequences is kept (least recently used first out), so that a
-            sequence restored from the prefix cache, whose prefix the target never computed again, still drafts
-            (`resume`).
+            sequence restored from the prefix cache, whose prefix the target never computed again, drafts with
+            its whole context (`resume`; a running sequence's context serves as well); without a record it drafts
+            from the context after the restored prefix.
     """
 
     def __init__(self, drafter: DSparkDrafter, target: nn.Module, *, sample: bool = False, temperature: float = 1.0,
@@ -92,6 +93,7 @@ class DSparkProposer:
         self.generator = generator
         self.ctx: dict[int, Tensor] = {}
         self.ids: dict[int, list[int]] = {}  # each sequence's tokens at its last `propose`
+        self.start: dict[int, int] = {}  # the first position a sequence's context holds (0 unless `resume` found none)
         self.keep_bytes = keep_bytes
         self.kept: OrderedDict[tuple[int, ...], Tensor] = OrderedDict()  # finished sequences' [C, D] contexts
 
@@ -99,8 +101,8 @@ class DSparkProposer:
         """Nothing to do: the context grows through the taps given to `propose`."""
 
     def finish(self, seq_id: int) -> None:
-        ctx, ids = self.ctx.pop(seq_id, None), self.ids.pop(seq_id, None)
-        if ctx is None or not len(ctx) or ctx.nbytes > self.keep_bytes:
+        ctx, ids, start = self.ctx.pop(seq_id, None), self.ids.pop(seq_id, None), self.start.pop(seq_id, 0)
+        if ctx is None or not len(ctx) or ctx.nbytes > self.keep_bytes or start:
             return
         self.kept[tuple(ids[: len(ctx)])] = ctx
         while sum(c.nbytes for c in self.kept.values()) > self.keep_bytes:
@@ -108,14 +110,20 @@ class DSparkProposer:
 
     def resume(self, seq_id: int, ids: list[int]) -> int:
         """A sequence restored from the prefix cache at `ids` (its target never computed those positions here):
-        returns how many of them it now holds context for: len(ids) when a kept sequence began with them, else 0."""
+        its context is that of a kept or running sequence that began with them (requests sharing a prompt run
+        side by side), else none before len(ids): it drafts from the context after them. Returns len(ids): every
+        restored position is accounted for."""
         n, key = len(ids), tuple(ids)
-        for tokens, ctx in reversed(self.kept.items()):
-            if len(tokens) >= n and tokens[:n] == key:
-                self.kept.move_to_end(tokens)
+        running = ((tuple(self.ids[i][:n]), c) for i, c in self.ctx.items()
+                   if i in self.ids and not self.start.get(i, 0))
+        for tokens, ctx in [*running, *reversed(self.kept.items())]:
+            if len(ctx) >= n and tokens[:n] == key:
+                if tokens in self.kept:
+                    self.kept.move_to_end(tokens)
                 self.ctx[seq_id] = ctx[:n].clone()
                 return n
-        return 0
+        self.start[seq_id] = n
+        return n
 
     @torch.no_grad()
     def propose(self, seq_id: int, ids: list[int], k: int, taps: Tensor | None = None) -> Draft:
@@ -130,18 +138,18 @@ class DSparkProposer:
         if taps is not None and len(taps):
             new = self.drafter.context(taps.to(dev)[None])[0]
             self.ctx[seq_id] = torch.cat([self.ctx[seq_id], new]) if seq_id in self.ctx else new
-        ctx = self.ctx.get(seq_id)
+        ctx, start = self.ctx.get(seq_id), self.start.get(seq_id, 0)
         C = 0 if ctx is None else ctx.shape[0]
-        if C != len(ids) - 1:
-            raise ValueError(f"sequence {seq_id}: the drafter holds taps of {C} positions but ids has {len(ids)} "
-                             f"tokens (want the taps of every position before the newest token)")
+        if start + C != len(ids) - 1:
+            raise ValueError(f"sequence {seq_id}: the drafter holds taps of positions {start}..{start + C - 1} but ids "
+                             f"has {len(ids)} tokens (want the taps of every position before the newest token)")
         k = min(k, cfg.num_drafts)
         if k <= 0 or ctx is None:
             return Draft()
-        S = k + 1
+        S, at = k + 1, start + C  # at: the anchor's position
         block = torch.tensor([[ids[-1]] + [cfg.mask_token_id] * k], device=dev)
-        h = self.drafter.backbone(ctx[None], block, self.embed, torch.arange(C, device=dev)[None],
-                                  torch.arange(C, C + S, device=dev)[None], None)[0]
+        h = self.drafter.backbone(ctx[None], block, self.embed, torch.arange(start, at, device=dev)[None],
+                                  torch.arange(at, at + S, device=dev)[None], None)[0]
         # the target head over every slot at once (one read of its [V, D] weight); the Markov bias and the
         # confidence follow each drafted token in turn
         base = self.lm_head(h[1:].to(self.lm_head.weight.dtype)).float()

@@ -68,8 +68,8 @@ class Proposer(Protocol):
 
     # optional, for a proposer that reads taps: `resume(seq_id, ids) -> int`, called when a sequence starts from a
     # prefix-cache hit at `ids` (positions whose taps the target never computes for it): how many of them the
-    # proposer holds context for from its own record of an earlier sequence (len(ids), or 0: it drafts nothing
-    # for that sequence)
+    # proposer accounts for (len(ids): it goes on from there, from its own record or without one; 0: it drafts
+    # nothing for that sequence)
 
 
 @dataclass
