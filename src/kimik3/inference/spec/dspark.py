@@ -141,8 +141,9 @@ class DSparkProposer:
         ctx, start = self.ctx.get(seq_id), self.start.get(seq_id, 0)
         C = 0 if ctx is None else ctx.shape[0]
         if start + C != len(ids) - 1:
-            raise ValueError(f"sequence {seq_id}: the drafter holds taps of positions {start}..{start + C - 1} but ids "
-                             f"has {len(ids)} tokens (want the taps of every position before the newest token)")
+            after = f" from position {start}" if start else ""
+            raise ValueError(f"sequence {seq_id}: the drafter holds taps of {C} positions{after} but ids has "
+                             f"{len(ids)} tokens (want the taps of every position before the newest token)")
         k = min(k, cfg.num_drafts)
         if k <= 0 or ctx is None:
             return Draft()
