@@ -11,6 +11,7 @@ from kimik3.inference.spec.dspark import DSparkProposer, load_drafter
 from kimik3.inference.spec.offline import greedy_reference, speculative_generate
 from kimik3.presets import DEMO_DRAFTER, DEMO_MODEL
 from kimik3.tokenizer import Tokenizer
+from tests.helpers import rel_err
 
 PROMPTS = ["ROMEO:\nO, she doth teach the torches to burn bright!", "KING HENRY:\nOnce more unto the breach,",
            "HAMLET:\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
@@ -62,3 +63,32 @@ def test_a_truncated_drafter_is_one_error_naming_its_file(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100_000])
     with pytest.raises(ValueError, match=f"^{weights}: truncated: "):
         load_drafter(folder)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_drafting_several_sequences_in_one_pass_drafts_what_each_alone_drafts(demo, sample):
+    """`propose_batch` (contexts of 8, 9 and 38 positions padded on the left, k = 7, 3, 5) gives each sequence the
+    draft `propose` gives it alone: the same tokens greedily, and with sampling the same distributions q."""
+    from kimik3.inference.spec.taps import stack_taps, tapped
+
+    lm, prompts, _ = demo
+    drafter = load_drafter(DEMO_DRAFTER)
+
+    def taps(ids):
+        with torch.no_grad(), tapped(lm, drafter.config.target_layer_ids) as found:
+            lm(torch.tensor([ids[:-1]]))
+        return stack_taps(found)[0]
+
+    def proposer():
+        return DSparkProposer(drafter, lm, sample=sample, generator=torch.Generator().manual_seed(0))
+
+    items = [(i, p, k, taps(p)) for i, (p, k) in enumerate(zip(prompts, (7, 3, 5)))]
+    together = proposer().propose_batch(items)
+    alone = [proposer().propose(*item) for item in items]
+    assert [len(d.tokens) for d in together] == [7, 3, 5]
+    for a, b in zip(together, alone):
+        if sample:  # the first slot's q and confidence (after the same anchor; the draws share one generator)
+            assert rel_err(a.probs[0], b.probs[0]) < 1e-5 and abs(a.confidence[0] - b.confidence[0]) < 1e-5
+        else:
+            assert a.tokens == b.tokens
+            assert rel_err(torch.tensor(a.confidence), torch.tensor(b.confidence)) < 1e-5

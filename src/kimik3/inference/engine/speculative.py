@@ -88,6 +88,7 @@ class Speculator:
                 self.proposer.finish(t.id)
                 del self.tracks[seq]
         self.masks.clear()
+        items, asking = [], []  # the proposer's arguments per drafting sequence, and those sequences
         for seq in running:
             seq.draft = None
             if seq.status is not Status.RUNNING or len(seq.tokens) <= seq.num_prompt:
@@ -113,7 +114,11 @@ class Speculator:
             if self.needs_taps:
                 taps = torch.cat(t.taps) if t.taps else None
                 t.taps = []
-            draft = self.proposer.propose(t.id, list(seq.tokens), k, taps)
+            items.append((t.id, list(seq.tokens), k, taps))
+            asking.append(seq)
+        batch = getattr(self.proposer, "propose_batch", None)  # a drafter drafts for every sequence in one pass
+        drafts = batch(items) if batch is not None and items else [self.proposer.propose(*it) for it in items]
+        for seq, draft in zip(asking, drafts):
             if draft.tokens and seq.constraint is not None:
                 draft = self._constrain(seq, draft)
             seq.draft = draft if draft.tokens else None

@@ -125,48 +125,74 @@ class DSparkProposer:
         self.start[seq_id] = n
         return n
 
-    @torch.no_grad()
     def propose(self, seq_id: int, ids: list[int], k: int, taps: Tensor | None = None) -> Draft:
-        """Draft up to min(k, block_size - 1) tokens after `ids`.
+        """Draft up to min(k, num_drafts) tokens after `ids` (`propose_batch` of one sequence).
 
         Args:
             taps: [T, n*D_target] the taps of the T positions committed since the last call (the whole prompt
                 at the first); afterwards the sequence holds len(ids) - 1 context positions.
         """
+        return self.propose_batch([(seq_id, ids, k, taps)])[0]
+
+    @torch.no_grad()
+    def propose_batch(self, items: list[tuple[int, list[int], int, Tensor | None]]) -> list[Draft]:
+        """`propose` for several sequences, (seq_id, ids, k, taps) each, in one backbone pass: contexts padded on
+        the left to the longest (masked), every block k + 1 slots for the largest k. Each drafted token is chosen
+        on the device; tokens and confidences come to the host once, after the last (no sync per token)."""
         cfg, dev = self.drafter.config, self.lm_head.weight.device
-        self.ids[seq_id] = ids
-        if taps is not None and len(taps):
-            new = self.drafter.context(taps.to(dev)[None])[0]
-            self.ctx[seq_id] = torch.cat([self.ctx[seq_id], new]) if seq_id in self.ctx else new
-        ctx, start = self.ctx.get(seq_id), self.start.get(seq_id, 0)
-        C = 0 if ctx is None else ctx.shape[0]
-        if start + C != len(ids) - 1:
-            after = f" from position {start}" if start else ""
-            raise ValueError(f"sequence {seq_id}: the drafter holds taps of {C} positions{after} but ids has "
-                             f"{len(ids)} tokens (want the taps of every position before the newest token)")
-        k = min(k, cfg.num_drafts)
-        if k <= 0 or ctx is None:
-            return Draft()
-        S, at = k + 1, start + C  # at: the anchor's position
-        block = torch.tensor([[ids[-1]] + [cfg.mask_token_id] * k], device=dev)
-        h = self.drafter.backbone(ctx[None], block, self.embed, torch.arange(start, at, device=dev)[None],
-                                  torch.arange(at, at + S, device=dev)[None], None)[0]
+        rows = []  # (seq_id, ids, k, ctx, start) of the sequences that draft
+        drafts = [Draft()] * len(items)
+        for i, (seq_id, ids, k, taps) in enumerate(items):
+            self.ids[seq_id] = ids
+            if taps is not None and len(taps):
+                new = self.drafter.context(taps.to(dev)[None])[0]
+                self.ctx[seq_id] = torch.cat([self.ctx[seq_id], new]) if seq_id in self.ctx else new
+            ctx, start = self.ctx.get(seq_id), self.start.get(seq_id, 0)
+            C = 0 if ctx is None else ctx.shape[0]
+            if start + C != len(ids) - 1:
+                after = f" from position {start}" if start else ""
+                raise ValueError(f"sequence {seq_id}: the drafter holds taps of {C} positions{after} but ids has "
+                                 f"{len(ids)} tokens (want the taps of every position before the newest token)")
+            k = min(k, cfg.num_drafts)
+            if k > 0 and ctx is not None:
+                rows.append((i, ids, k, ctx, start))
+        if not rows:
+            return drafts
+        B, S, Cm = len(rows), 1 + max(r[2] for r in rows), max(len(r[3]) for r in rows)
+        ctx_BCD = torch.zeros(B, Cm, rows[0][3].shape[1], device=dev)
+        ctx_pos, block_pos = torch.zeros(B, Cm, dtype=torch.long), torch.zeros(B, S, dtype=torch.long)
+        mask_BSN = torch.ones(B, S, Cm + S, dtype=torch.bool)
+        block = torch.full((B, S), cfg.mask_token_id, dtype=torch.long)
+        for b, (_, ids, _, ctx, start) in enumerate(rows):
+            C, at = len(ctx), start + len(ctx)  # at: the anchor's position
+            ctx_BCD[b, Cm - C:] = ctx
+            ctx_pos[b, Cm - C:] = torch.arange(start, at)
+            block_pos[b] = torch.arange(at, at + S)
+            mask_BSN[b, :, : Cm - C] = False  # the left padding
+            block[b, 0] = ids[-1]
+        padded = any(len(r[3]) < Cm for r in rows)  # else no mask: every slot sees every position
+        h = self.drafter.backbone(ctx_BCD, block.to(dev), self.embed, ctx_pos.to(dev), block_pos.to(dev),
+                                  mask_BSN.to(dev) if padded else None)
         # the target head over every slot at once (one read of its [V, D] weight); the Markov bias and the
-        # confidence follow each drafted token in turn
-        base = self.lm_head(h[1:].to(self.lm_head.weight.dtype)).float()
-        tokens, probs, confs, survive, prev = [], [], [], 1.0, ids[-1]
+        # confidence follow each drafted token in turn, for all sequences together
+        base = self.lm_head(h[:, 1:].to(self.lm_head.weight.dtype)).float()
+        prev, tokens, probs, confs = block[:, 0].to(dev), [], [], []
         for j in range(1, S):
-            logits, conf = self.drafter.finish_heads(base[j - 1], h[j], torch.tensor(prev, device=dev))
-            c = float(torch.sigmoid(conf)) if conf is not None else 1.0
-            if tokens and survive * c < self.min_confidence:
-                break
-            survive *= c
+            logits, conf = self.drafter.finish_heads(base[:, j - 1], h[:, j], prev)
+            confs.append(torch.sigmoid(conf) if conf is not None else torch.ones(B, device=dev))
             if self.sample:
                 q = (logits / max(self.temperature, 1e-6)).softmax(-1)
-                prev = int(torch.multinomial(q, 1, generator=self.generator))
+                prev = torch.multinomial(q, 1, generator=self.generator)[:, 0]
                 probs.append(q)
             else:
-                prev = int(logits.argmax())
+                prev = logits.argmax(-1)
             tokens.append(prev)
-            confs.append(c)
-        return Draft(tuple(tokens), torch.stack(probs) if probs else None, tuple(confs))
+        tokens_BK, confs_BK = torch.stack(tokens, 1).tolist(), torch.stack(confs, 1).float().tolist()
+        for b, (i, _, k, _, _) in enumerate(rows):
+            n, survive = 0, 1.0  # the first draft token is always proposed; then while the confidence holds
+            while n < k and (n == 0 or survive * confs_BK[b][n] >= self.min_confidence):
+                survive *= confs_BK[b][n]
+                n += 1
+            drafts[i] = Draft(tuple(tokens_BK[b][:n]), torch.stack([q[b] for q in probs[:n]]) if probs else None,
+                              tuple(confs_BK[b][:n]))
+        return drafts

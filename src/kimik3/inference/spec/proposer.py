@@ -66,6 +66,8 @@ class Proposer(Protocol):
         """The sequence ended: free its per-sequence state (a proposer may keep its output for later requests)."""
         ...
 
+    # optional: `propose_batch([(seq_id, ids, k, taps), ...]) -> list[Draft]`, every running sequence's draft in
+    # one call (the engine uses it where it exists: a drafter then runs one pass and syncs once per step).
     # optional, for a proposer that reads taps: `resume(seq_id, ids) -> int`, called when a sequence starts from a
     # prefix-cache hit at `ids` (positions whose taps the target never computes for it): how many of them the
     # proposer accounts for (len(ids): it goes on from there, from its own record or without one; 0: it drafts
