@@ -67,6 +67,14 @@ def empty_experts(like: PackedWeights, n: int, device: torch.device, pin: bool =
                          tuple(_alloc_like(t, n, device, pin) for t in like.scales))
 
 
+def _to_device(a: np.ndarray, device: torch.device) -> Tensor:
+    """A host index array on `device` without waiting for it: through pinned memory on CUDA. A copy from pageable
+    memory may wait for the stream first (CUDA's rule for pageable transfers), which would hold the host until the
+    expert copies queued before it had landed, leaving the device idle while the host then launches the rest."""
+    t = torch.from_numpy(a)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def expert_nbytes(w: PackedWeights) -> int:
     return sum(t[0].nbytes for t in (*w.packed, *w.scales))
 
@@ -220,7 +228,7 @@ class TieredWeights:
             """y's rows of the experts `lookup` [E] maps to a slot of `weights` (others: -1, skipped)."""
             local = lookup[idx]
             local = np.where(local < 0, weights.num_experts, local)
-            sel = torch.from_numpy(local).to(z.device, non_blocking=True)
+            sel = _to_device(local, z.device)
             if fast:
                 from kimik3.ops.moe import triton_mxfp4
 
@@ -296,7 +304,7 @@ class TieredWeights:
         out = kernel.expert_rows(x, [_tensors(self.host, int(e)) for e in experts], counts.tolist(), beta,
                                  linear_beta, y.dtype)
         self.tier.counters["host_seconds"] += time.perf_counter() - start
-        y[torch.from_numpy(pos).to(y.device)] = out.to(y.device, non_blocking=True)
+        y[_to_device(pos, y.device)] = out.to(y.device, non_blocking=True)
         self.tier.counters["host_rows"] += len(pos)
 
     def _promote(self, moves: list[tuple[int, int]]) -> None:
