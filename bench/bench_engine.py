@@ -314,5 +314,7 @@ if __name__ == "__main__":
     # rows joined by "," or "+" (bench/device_suite.sh splits its step arguments at commas)
     rows = args[args.index("--rows") + 1].replace("+", ",") if "--rows" in args else "decode,mixedstep,prefix,mixed"
     which = tuple(rows.split(","))
-    main("smoke" if "--smoke" in args else "cpu-demo" if "--cpu-demo" in args else "device", which,
-         "--profile" in args)
+    mode = "smoke" if "--smoke" in args else "cpu-demo" if "--cpu-demo" in args else "device"
+    if "--batches" in args:  # decode rows at these batch sizes only, joined by "+"
+        SIZES[mode]["batches"] = tuple(int(b) for b in args[args.index("--batches") + 1].split("+"))
+    main(mode, which, "--profile" in args)

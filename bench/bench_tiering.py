@@ -1,5 +1,5 @@
 """Expert tiering on the device: slice-12 (11 MoE layers x 256 MXFP4 experts, 49 GB) with the GPU keeping 100%, 50%,
-25% and 10% of the routed experts, and 0% (exps=CPU: every expert computed on the host at decode).
+25% and 10% of the routed experts, and 0% (exps=CPU: every expert computed on the host).
 
 Rows, all in one call (the same engine settings for every row: greedy, no prefix cache):
   resident   the model as users get it without tiering (Humming's kernels, CUDA graphs), eager, and on Triton's
@@ -8,8 +8,9 @@ Rows, all in one call (the same engine settings for every row: greedy, no prefix
              tokens/s of a 4,096-token prompt (2,048-token chunks, serve's default), the hit rate, the misses' way,
              and the bound: the resident step plus the step's missed bytes at the faster of the measured copy and
              host-kernel rates (target: batch-1 decode within 1.3x of it; faster than exps=CPU at every budget)
-exps=CPU prefill streams the experts to the GPU as llama.cpp's exps=CPU does for large batches (op offload):
-computing 65k routed rows a layer on 16 cores takes minutes.
+  exps=CPU   no slot: every routed expert computed on the host, prefill chunks too (42 tok/s on the device machine;
+             llama.cpp's exps=CPU instead offloads batches of 32 rows or more to the GPU, which the tiered rows'
+             streamed prefill is)
 
     PYTHONPATH=src:. python3 bench/bench_tiering.py            # device; table + $OUT/bench_tiering.json
     PYTHONPATH=src:. python3 bench/bench_tiering.py --smoke    # CPU check of this script at toy sizes

@@ -37,7 +37,10 @@ for spec in "$@"; do
                # tests/serve holds no GPU test, and its modules import the CPU suite's test extras (openai,
                # jsonschema), which the device image lacks: skip collecting it there rather than log errors
                python3 -c "import openai, jsonschema" 2>/dev/null || extra+=(--ignore=tests/serve)
-               cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 -m pytest -m gpu -rf --durations=10
+               # likewise the GGUF modules (CPU tests of the gguf and llama.cpp extras, imported at the top)
+               python3 -c "import gguf" 2>/dev/null || extra+=(--ignore=tests/checkpoint/test_gguf.py
+                   --ignore=tests/checkpoint/test_gguf_llama_cpp.py --ignore=tests/lora/test_gguf_export.py)
+               cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 -m pytest -m gpu -rfs --durations=10
                     --continue-on-collection-errors
                     -p no:cacheprovider "${extra[@]}") ;;
         diag) cmd=(env KIMIK3_TEST_TRITON_FIRST_CONFIG=1 python3 -m tools.diagnose_fast_paths "${extra[@]}") ;;

@@ -78,3 +78,18 @@ def test_chunk_kda_gradients():
     print(f"forward: o {rel_err(o, o_ref):.2e} state {rel_err(s, s_ref):.2e}")
     print("grads:", " ".join(f"{name} {e:.2e}" for name, e in errors.items()))
     assert max(errors.values()) < 3e-2, errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_in_the_pool_is_the_gathered_decode_bit_for_bit(dtype):
+    """fla's continuous-batching mode (each row's state read from and written to its slot of the pool) against the
+    recurrent kernel on the gathered states, written back by `index_copy_`: the engine's decode before it."""
+    from kimik3.ops.kda import decode_kda_with_gate
+
+    x = kda_inputs(6, 1, 4, 128, dtype, seed=3)
+    pool = torch.randn(10, 4, 128, 128, device=DEV)
+    slots = torch.tensor([7, 0, 3, 9, 4, 1], device=DEV)
+    o_ref, s_ref = recurrent_kda_with_gate(**x, lower_bound=-5.0, initial_state=pool[slots], output_final_state=True)
+    want = pool.clone().index_copy_(0, slots, s_ref)
+    o = decode_kda_with_gate(**x, lower_bound=-5.0, states=pool, slots=slots)
+    assert torch.equal(o, o_ref) and torch.equal(pool, want)  # the other slots (2, 5, 6, 8) untouched too

@@ -127,6 +127,23 @@ def test_auto_picks_the_cheaper_way_by_measured_cost():
     assert tier.choose(np.array([60]), nbytes) == "copy"  # many rows: the host's matmuls cost more than the link
 
 
+def test_auto_corrects_the_host_cost_by_what_the_steps_took():
+    """A calibration that found the host kernel fast, while each step's host kernel runs 3x slower (as measured
+    on the device machine): after the first such step `auto` copies instead; a fast step brings the host back."""
+    w = _tiered(*mx_experts(4, 64, 96, torch.Generator().manual_seed(3)), 1, "auto")
+    tier = w.tier
+    tier.link_bytes_per_s, tier.host_seconds = 1e9, (0.5e-3, 1.2e-3)  # 1 ms to copy an expert, 0.5 to compute
+    nbytes = 10**6
+    assert tier.choose(np.array([1, 2]), nbytes) == "host"
+    tier.observe_host(2 * 1.5e-3 + 0.1e-3, experts=2, rows=3)  # 1.5 ms an expert, plus the one extra row
+    assert tier.host_seconds[0] == pytest.approx(1e-3) and tier.host_seconds[1] - tier.host_seconds[0] == \
+        pytest.approx(0.7e-3)
+    assert tier.choose(np.array([1, 2]), nbytes) == "copy"
+    tier.observe_host(0.2e-3, experts=1, rows=1)
+    tier.observe_host(0.2e-3, experts=1, rows=1)
+    assert tier.choose(np.array([1, 2]), nbytes) == "host"
+
+
 @needs_interpreter
 def test_triton_rows_skip_experts_past_the_last_and_write_into_out():
     """`triton_mxfp4.rows` leaves the rows of expert E or more as `out` had them and writes the others as a full

@@ -21,7 +21,8 @@ from kimik3.config import TextConfig
 from kimik3.model.norm import GatedRMSNorm
 from kimik3.model.state import KDAStateSpec, KDAView
 from kimik3.model.step import KDAStepIO, Step
-from kimik3.ops.kda import chunk_kda_with_gate, chunk_kda_with_gate_checkpoints, recurrent_kda_with_gate
+from kimik3.ops.kda import (chunk_kda_with_gate, chunk_kda_with_gate_checkpoints, decode_kda_with_gate,
+                            recurrent_kda_with_gate)
 from kimik3.ops.shortconv import decode_short_conv, gathered_short_conv, short_conv
 
 
@@ -130,6 +131,14 @@ class KimiDeltaAttention(nn.Module):
                                                    (self.v_conv1d, self.v_proj, pool.conv_v)))
         g = self.f_b_proj(self.f_a_proj(x_1TD)).view(1, T, H, K)
         beta = self.b_proj(x_1TD).float()
+        if step.row_len == 1 and vr is None and step.export_pick is None:
+            # decode: each row's state read from its slot and written back there by the kernel itself
+            N = step.slots.shape[0]
+            o = decode_kda_with_gate(*(t.view(N, 1, *t.shape[2:]) for t in (q, k, v, g, beta)), self.A_log,
+                                     self.dt_bias, lower_bound=self.lower_bound, scale=K**-0.5,
+                                     states=pool.recurrent, slots=step.slots)
+            o = self.o_norm(o.reshape(1, T, H, K), self.g_proj(x_1TD).view(1, T, H, K))
+            return self.o_proj(o.reshape(1, T, H * K)), None
         state0 = pool.recurrent[step.slots]
         kw = dict(lower_bound=self.lower_bound, scale=K**-0.5, initial_state=state0)
         if step.row_len:  # N rows of row_len tokens each

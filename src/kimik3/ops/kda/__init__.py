@@ -15,8 +15,8 @@ from kimik3.ops.backend import has_fla, require, use_fast
 from . import fla, reference
 from .reference import CHUNK_SIZE
 
-__all__ = ["CHUNK_SIZE", "chunk_kda", "chunk_kda_with_gate", "chunk_kda_with_gate_checkpoints", "recurrent_kda",
-           "recurrent_kda_with_gate", "supports_checkpoints"]
+__all__ = ["CHUNK_SIZE", "chunk_kda", "chunk_kda_with_gate", "chunk_kda_with_gate_checkpoints", "decode_kda_with_gate",
+           "recurrent_kda", "recurrent_kda_with_gate", "supports_checkpoints"]
 
 
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
@@ -103,6 +103,27 @@ def recurrent_kda_with_gate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     return _with_gate(fla.recurrent_kda_with_gate, reference.recurrent_kda, q, k, v, g, beta, A_log, dt_bias,
                       lower_bound, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                       cu_seqlens=cu_seqlens)
+
+
+def decode_kda_with_gate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+                         *, lower_bound: float, scale: float | None = None, states: Tensor, slots: Tensor) -> Tensor:
+    """One decode token per sequence, each continuing the state kept in its slot of a pool and leaving its new state
+    there: `recurrent_kda_with_gate` with the gather before it and the scatter after it folded in.
+
+    Shapes: q, k, g [N, 1, H, K], v [N, 1, H, V], beta [N, 1, H] (pre-activation, as `recurrent_kda_with_gate`);
+    states [S, H, K, V] fp32, updated in place; slots [N] int, distinct (rows on one padding slot leave it scratch).
+    Returns o [N, 1, H, V] in v.dtype, bitwise what `recurrent_kda_with_gate(initial_state=states[slots])` returns,
+    and states[slots] its final state. On CUDA, fla's recurrent kernel in its continuous-batching mode reads and
+    writes the slots itself: the gather and `index_copy_` it saves were 3.6 ms of a 33 ms decode step at 64
+    sequences on the H200 (BENCHMARKS.md)."""
+    if use_fast(v, "kda"):
+        require(has_fla(), "KDA", "fla-core")
+        return fla.decode_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
+                                        states=states, slots=slots)
+    o, state = recurrent_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
+                                       initial_state=states[slots], output_final_state=True)
+    states.index_copy_(0, slots, state.to(states.dtype))
+    return o
 
 
 def supports_checkpoints(v: Tensor) -> bool:

@@ -7,6 +7,7 @@ The gate runs inside the kernel in the lower-bounded form (`safe_gate`, bound -5
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -31,3 +32,17 @@ def recurrent_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, *, lower_bound, sc
     return fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                **_k3_flags(q, A_log, dt_bias, lower_bound))
+
+
+def decode_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, *, lower_bound, scale=None, states, slots):
+    # fla's public `fused_recurrent_kda` always writes a new final-state tensor; its forward function has vLLM's
+    # continuous-batching mode (`ssm_state_indices`, the state read from and written back to the pool in place)
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    H, K, V = v.shape[2], q.shape[3], v.shape[3]
+    if q.shape[1] != 1 or states.dtype != torch.float32 or states.stride()[1:] != (K * V, V, 1):
+        raise ValueError(f"decode_kda_with_gate: one token a row and a contiguous fp32 [S, {H}, {K}, {V}] pool, got "
+                         f"{q.shape[1]} tokens and a {states.dtype} pool of strides {states.stride()}")
+    o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, scale=scale, initial_state=states, inplace_final_state=True,
+                                   ssm_state_indices=slots, **_k3_flags(q, A_log, dt_bias, lower_bound))
+    return o

@@ -158,6 +158,18 @@ class HostTier:
         host = float(np.sum(one + per_row * np.maximum(rows_per_miss - 1, 0)))
         return "host" if host < len(rows_per_miss) * nbytes / self.link_bytes_per_s else "copy"
 
+    def observe_host(self, seconds: float, experts: int, rows: int) -> None:
+        """The host kernel's time in a step (`experts` experts, `rows` rows in all) corrects the per-expert cost
+        `choose` uses: half the old estimate, half this step's (the cost per extra row stays the calibrated one).
+        In a decode the host kernel ran 3x slower than on its calibration's experts on the device machine (fewer
+        cache-warm reads, the device's traffic beside it), so `auto` kept computing misses on the host where
+        copying them was faster; the step's own time corrects that after one step."""
+        one, eight = self.host_seconds
+        per_row = max(eight - one, 0.0) / 7
+        seen = max(seconds - per_row * (rows - experts), 0.0) / experts
+        one = (one + seen) / 2
+        self.host_seconds = (one, one + 7 * per_row)
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -303,7 +315,9 @@ class TieredWeights:
         start = time.perf_counter()
         out = kernel.expert_rows(x, [_tensors(self.host, int(e)) for e in experts], counts.tolist(), beta,
                                  linear_beta, y.dtype)
-        self.tier.counters["host_seconds"] += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self.tier.counters["host_seconds"] += spent
+        self.tier.observe_host(spent, len(experts), len(pos))
         y[_to_device(pos, y.device)] = out.to(y.device, non_blocking=True)
         self.tier.counters["host_rows"] += len(pos)
 
