@@ -23,7 +23,8 @@ def _run(module: str, out, *args: str) -> None:
 @pytest.mark.parametrize("name, keys", [
     ("bench_layer", {"KDA+MoE decode B=1", "KDA+MoE decode B=64", "KDA+MoE prefill T=128",
                                   "MLA+MoE decode B=8", "MLA+MoE prefill T=128"}),
-    ("bench_slice", {"prefill T=128 ours", "prefill T=64 reference", "decode B=1", "decode B=64"}),
+    pytest.param("bench_slice", {"prefill T=128 ours", "prefill T=64 reference", "decode B=1", "decode B=64"},
+                 marks=pytest.mark.slow),  # 14 s; bench_layer's smoke runs the same layers
     ("bench_mla", {"B=1 S=64", "B=4 S=64"}),
     ("bench_situ", {"routed rows", "shared expert"}),
     ("bench_router", {"4", "32"}),
@@ -67,6 +68,7 @@ def test_parallel_checks_pass_on_two_gloo_ranks(tmp_path):
     assert data["ok"] and data["env"]["backend"] == "gloo" and len(data["results"]) == 4
 
 
+@pytest.mark.slow  # 16 s: the default run's time budget (its peer test is slow too)
 def test_training_step_bench_smoke(tmp_path):
     """bench_train.py --smoke: the tiny model through the same phases (fwd+bwd, fast-vs-reference check,
     optimizer), both precisions, on the CPU."""
@@ -118,6 +120,7 @@ def test_lora_bench_runs_the_peer_first(tmp_path):
     assert data["peer"]["error"] == "no step line (exit 0)" and "peer_time_ratio" not in data
 
 
+@pytest.mark.slow  # 11 s: the default run's time budget; tests/inference/engine covers the engine it drives
 def test_speculative_bench_smoke(tmp_path):
     """bench_spec checks every speculative run against the run without, token for token, before timing it."""
     _run("bench.bench_spec", tmp_path, "--smoke")

@@ -89,7 +89,9 @@ def _torchrun(args: list[str]) -> None:
     assert "returned a view tensor" not in proc.stderr  # silenced for the decoder layers (apply_fsdp says why)
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["fsdp2", "ep+fsdp2"])
+# FSDP2 alone under `slow` (10 s, the default run's time budget): ep+fsdp2 shards the same trunk the same way
+@pytest.mark.parametrize("expert_parallel", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["fsdp2", "ep+fsdp2"])
 def test_two_gloo_ranks_equal_one_process(tmp_path, expert_parallel):
     """2 ranks x 1 micro-batch (torchrun, FSDP2, gloo; with expert parallelism, each rank holding half of the
     experts) == 1 rank x 2 micro-batches: losses, grad norms, saved weights and biases; then the 2-rank

@@ -21,8 +21,12 @@ from kimik3.config import TextConfig
 from kimik3.model.norm import GatedRMSNorm
 from kimik3.model.state import KDAStateSpec, KDAView
 from kimik3.model.step import KDAStepIO, Step
-from kimik3.ops.kda import (chunk_kda_with_gate, chunk_kda_with_gate_checkpoints, decode_kda_with_gate,
-                            recurrent_kda_with_gate)
+from kimik3.ops.kda import (
+    chunk_kda_with_gate,
+    chunk_kda_with_gate_checkpoints,
+    decode_kda_with_gate,
+    recurrent_kda_with_gate,
+)
 from kimik3.ops.shortconv import decode_short_conv, gathered_short_conv, short_conv
 
 
