@@ -196,3 +196,22 @@ def test_value_errors(name):
             fn(*p, cu_seqlens=torch.tensor(cu))
     with pytest.raises(ValueError, match=r"^initial_state\b"):  # 2 sequences need 2 state rows
         fn(*p, cu_seqlens=torch.tensor([0, 2, 6]), initial_state=torch.randn(1, 2, 4, 3))
+
+
+def test_decode_in_the_pool_continues_and_updates_each_slot():
+    """`decode_kda_with_gate` (the engine's decode) = `recurrent_kda_with_gate` from each row's slot, the new state
+    written back to that slot and no other (the CUDA kernel's version: tests/ops/test_kda_gpu.py)."""
+    g = torch.Generator().manual_seed(4)
+    N, H, K = 3, 2, 16
+    q, k, v, f = (torch.randn(N, 1, H, K, generator=g) for _ in range(4))
+    beta = torch.randn(N, 1, H, generator=g)
+    A_log, dt_bias = torch.rand(4, generator=g), 0.5 * torch.randn(H * K, generator=g)
+    pool = torch.randn(6, H, K, K, generator=g)
+    slots = torch.tensor([5, 0, 2])
+    o_ref, s_ref = kda.recurrent_kda_with_gate(q, k, v, f, beta, A_log, dt_bias, lower_bound=-5.0,
+                                               initial_state=pool[slots], output_final_state=True)
+    before = pool.clone()
+    want = pool.clone().index_copy_(0, slots, s_ref)
+    o = kda.decode_kda_with_gate(q, k, v, f, beta, A_log, dt_bias, lower_bound=-5.0, states=pool, slots=slots)
+    assert torch.equal(o, o_ref) and torch.equal(pool, want)  # slots 1, 3, 4 as they were
+    assert not torch.equal(pool[slots], before[slots])
