@@ -105,8 +105,8 @@ class KimiDeltaAttention(nn.Module):
 
         Uniform steps (every chunk `step.row_len` tokens: decode, graphed verification) run the recurrent kernel
         over [N, row_len] (decode reading and writing each state in its slot, `decode_kda_with_gate`); anything else
-        the chunked kernel over the packed row (varlen), each sequence from its slot's state. The slots of sequences verifying a draft (`step.verify`) are left as they were: their inputs
-        come back for `commit`."""
+        the chunked kernel over the packed row (varlen), each sequence from its slot's state. The slots of
+        sequences verifying a draft (`step.verify`) are left as they were: their inputs come back for `commit`."""
         _, T, _ = x_1TD.shape
         H, K = self.num_heads, self.head_dim
         x_TD = x_1TD[0]
