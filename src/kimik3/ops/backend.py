@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import cache
 
+import torch
 from torch import Tensor
 
 BACKENDS = ("auto", "torch")
@@ -96,3 +97,12 @@ def use_backend(name: str | None = None, *, moe: str | None = None, **ops: str) 
     finally:
         for var, token in reversed(tokens):
             var.reset(token)
+
+
+def to_device(x: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor onto `device` without waiting for the work queued there: through pinned memory on CUDA
+    (a copy from pageable memory may first wait for the stream, so the launches after it would start only once
+    the queued work, a forward or expert copies, had finished)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)

@@ -26,6 +26,7 @@ from kimik3.inference.engine.scheduler import Chunk
 from kimik3.inference.spec.taps import tapped
 from kimik3.model.state import KDAView, StatePool
 from kimik3.model.step import uniform_step
+from kimik3.ops.backend import to_device
 from kimik3.ops.moe.tiered import graph_holes
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -66,7 +67,7 @@ class BlockTable:
             self.rows[slot] = list(blocks)
         if idx:
             host = torch.tensor([idx, val], dtype=torch.long)
-            dev = host.pin_memory().to(self.table.device, non_blocking=True) if self.table.is_cuda else host
+            dev = to_device(host, self.table.device)
             self.table.view(-1).index_copy_(0, dev[0], dev[1])
 
 

@@ -26,13 +26,13 @@ from kimik3.inference.engine.graphs import (
     span_bucket,
 )
 from kimik3.inference.engine.request import Sequence
-from kimik3.inference.engine.sampler import to_device
 from kimik3.inference.engine.scheduler import Chunk
 from kimik3.inference.spec.taps import stack_taps, tapped
 from kimik3.lora.serving import ServedAdapters
 from kimik3.model.moe import warm_experts
 from kimik3.model.state import KDAView, StatePool
 from kimik3.model.step import build_step
+from kimik3.ops.backend import to_device
 
 
 @dataclass
@@ -185,7 +185,7 @@ class ModelRunner:
         if v.graphed and self.handle is not None:  # a graph's step: a graph's commit
             self._commit_graph(len(keep))(v.slots, host)
             return
-        keep_N = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        keep_N = to_device(host, self.device)
         commit_kda(self.kda, v.saved, v.slots, keep_N)
 
     def _commit_graph(self, rows: int) -> CommitGraph:

@@ -20,14 +20,7 @@ from torch import Tensor
 
 from kimik3.inference.engine.request import Sequence, TokenCounts, TokenLogprob
 from kimik3.inference.sampling import SamplingParams, draw, repetition_penalty
-
-
-def to_device(x: Tensor, device: torch.device) -> Tensor:
-    """A small host tensor onto `device` without waiting for the step queued there (a copy from pageable memory
-    would first wait for the stream: the sampler's launches would then start only once the forward ends)."""
-    if device.type != "cuda":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
+from kimik3.ops.backend import to_device
 
 
 def token_logprobs(logprobs_MV: Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kimik3.ops.backend import has_triton, use_fast
+from kimik3.ops.backend import has_triton, to_device, use_fast
 from kimik3.ops.moe import PackedWeights, reference
 from kimik3.ops.moe.cache import ExpertCache
 
@@ -65,14 +65,6 @@ def empty_experts(like: PackedWeights, n: int, device: torch.device, pin: bool =
     """n experts' worth of uninitialized tensors shaped as `like`'s, on `device` (pinned host memory with `pin`)."""
     return PackedWeights(tuple(_alloc_like(t, n, device, pin) for t in like.packed),
                          tuple(_alloc_like(t, n, device, pin) for t in like.scales))
-
-
-def _to_device(a: np.ndarray, device: torch.device) -> Tensor:
-    """A host index array on `device` without waiting for it: through pinned memory on CUDA. A copy from pageable
-    memory may wait for the stream first (CUDA's rule for pageable transfers), which would hold the host until the
-    expert copies queued before it had landed, leaving the device idle while the host then launches the rest."""
-    t = torch.from_numpy(a)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def expert_nbytes(w: PackedWeights) -> int:
@@ -240,7 +232,7 @@ class TieredWeights:
             """y's rows of the experts `lookup` [E] maps to a slot of `weights` (others: -1, skipped)."""
             local = lookup[idx]
             local = np.where(local < 0, weights.num_experts, local)
-            sel = _to_device(local, z.device)
+            sel = to_device(torch.from_numpy(local), z.device)
             if fast:
                 from kimik3.ops.moe import triton_mxfp4
 
@@ -318,7 +310,7 @@ class TieredWeights:
         spent = time.perf_counter() - start
         self.tier.counters["host_seconds"] += spent
         self.tier.observe_host(spent, len(experts), len(pos))
-        y[_to_device(pos, y.device)] = out.to(y.device, non_blocking=True)
+        y[to_device(torch.from_numpy(pos), y.device)] = out.to(y.device, non_blocking=True)
         self.tier.counters["host_rows"] += len(pos)
 
     def _promote(self, moves: list[tuple[int, int]]) -> None:
