@@ -29,15 +29,18 @@ __all__ = ["launch_shape", "paged_latent_attention"]
 
 BLOCK_H = 16  # heads per program: tl.dot's minimum M on tensor cores; K3's 96 heads are 6 head blocks
 TARGET_PROGRAMS = 2 * 132  # stage-1 programs to fill an H200's 132 SMs twice over at decode (T = 1)
+# the split count is a runtime argument, not a constexpr: it follows each step's longest sequence (a few blocks
+# to 64), and a constexpr compiled a kernel per count, mid-run on a new machine (1-1.5 s steps, issue 38); stage 2
+# reduces over MAX_SPLITS lanes, masked past the step's count
 MAX_SPLITS = 64
 NUM_WARPS, NUM_STAGES = 4, 2
 
 
 @triton.jit
-def _split_kernel(q_ptr, pool_ptr, table_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_ptr, H, scale,
+def _split_kernel(q_ptr, pool_ptr, table_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_ptr, H, scale, splits,
                   stride_qt, stride_qh, stride_x, stride_tn, stride_ot, stride_oh, stride_os,
                   C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BS: tl.constexpr, INTERPRET: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -48,7 +51,7 @@ def _split_kernel(q_ptr, pool_ptr, table_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_pt
     n = tl.load(seq_ptr + t)
     kv_len = tl.load(kv_len_ptr + t)
     blocks = tl.cdiv(kv_len, BS)
-    per_split = tl.cdiv(blocks, SPLITS)
+    per_split = tl.cdiv(blocks, splits)
     b0 = split * per_split
     b1 = tl.minimum(b0 + per_split, blocks)
     q_rows = q_ptr + t * stride_qt + h[:, None] * stride_qh
@@ -83,19 +86,18 @@ def _split_kernel(q_ptr, pool_ptr, table_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_pt
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     out = o_ptr + t * stride_ot + h[:, None] * stride_oh + split * stride_os + c[None, :]
     tl.store(out, o, mask=h_ok[:, None] & c_ok[None, :])
-    tl.store(lse_ptr + (t * H + h) * SPLITS + split, lse, mask=h_ok)
+    tl.store(lse_ptr + (t * H + h) * splits + split, lse, mask=h_ok)
 
 
 @triton.jit
-def _combine_kernel(o_ptr, lse_ptr, out_ptr, H, stride_ot, stride_oh, stride_os, stride_out,
-                    C: tl.constexpr, BLOCK_C: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+def _combine_kernel(o_ptr, lse_ptr, out_ptr, H, splits, stride_ot, stride_oh, stride_os, stride_out,
+                    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     c = tl.arange(0, BLOCK_C)
-    s_ok, c_ok = s < SPLITS, c < C
-    lse = tl.load(lse_ptr + (t * H + h) * SPLITS + s, mask=s_ok, other=float("-inf"))
+    s_ok, c_ok = s < splits, c < C
+    lse = tl.load(lse_ptr + (t * H + h) * splits + s, mask=s_ok, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, 0))  # every query sees >= 1 key, so some split has a finite lse
     o = tl.load(o_ptr + t * stride_ot + h * stride_oh + s[:, None] * stride_os + c[None, :],
                 mask=s_ok[:, None] & c_ok[None, :], other=0.0)
@@ -141,13 +143,12 @@ def paged_latent_attention(q_THK: Tensor, latent_pool_XC: Tensor, kv_b_weight: T
     BLOCK_C = triton.next_power_of_2(C)
     interp = interpreting()
     _split_kernel[grid](
-        q_cat_THX, latent_pool_XC, block_tables_NM, seq_T, kv_len_T, o_THSC, lse_THS, H, scale,
+        q_cat_THX, latent_pool_XC, block_tables_NM, seq_T, kv_len_T, o_THSC, lse_THS, H, scale, splits,
         q_cat_THX.stride(0), q_cat_THX.stride(1), latent_pool_XC.stride(0), block_tables_NM.stride(0),
         o_THSC.stride(0), o_THSC.stride(1), o_THSC.stride(2),
         C=C, R=R, BLOCK_C=BLOCK_C, BLOCK_R=triton.next_power_of_2(R), BLOCK_H=BLOCK_H, BS=block_size,
-        SPLITS=splits, INTERPRET=interp, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        INTERPRET=interp, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _combine_kernel[(T, H)](
-        o_THSC, lse_THS, o_lat_THC, H, o_THSC.stride(0), o_THSC.stride(1), o_THSC.stride(2), o_lat_THC.stride(1),
-        C=C, BLOCK_C=BLOCK_C, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), INTERPRET=interp,
-        num_warps=NUM_WARPS)
+        o_THSC, lse_THS, o_lat_THC, H, splits, o_THSC.stride(0), o_THSC.stride(1), o_THSC.stride(2),
+        o_lat_THC.stride(1), C=C, BLOCK_C=BLOCK_C, BLOCK_S=MAX_SPLITS, INTERPRET=interp, num_warps=NUM_WARPS)
     return torch.einsum("thc,hvc->thv", o_lat_THC, w_HXC[:, N:])
