@@ -33,6 +33,7 @@ from kimik3.model.moe import warm_experts
 from kimik3.model.state import KDAView, StatePool
 from kimik3.model.step import build_step
 from kimik3.ops.backend import to_device
+from kimik3.ops.tuned import seed_autotune
 
 
 @dataclass
@@ -72,6 +73,8 @@ class ModelRunner:
         self.model, self.pool, self.max_blocks, self.adapters = model, pool, max_blocks, adapters
         self.taps = taps
         self.device = next(model.parameters()).device
+        if self.device.type == "cuda":  # before any kernel runs: fla's kernels read their tuned configs from the cache
+            seed_autotune()
         # on the CPU verification steps run as static steps unless told otherwise (below)
         verify_static = use_cuda_graphs is None and self.device.type == "cpu" and adapters is None
         if use_cuda_graphs is None:  # on CUDA in 16-bit: fp32 routed experts run the reference loop, which reads

@@ -36,7 +36,10 @@ MAX_SPLITS = 64
 NUM_WARPS, NUM_STAGES = 4, 2
 
 
-@triton.jit
+# no value specialization of what changes from step to step (Triton compiles a variant per argument that is 1, a
+# multiple of 16, or neither): the split count and the block table's width (eager steps size it to their longest
+# sequence) would otherwise compile new variants mid-run (a 0.78 s step in a new machine's first pass)
+@triton.jit(do_not_specialize=["splits", "stride_tn"])
 def _split_kernel(q_ptr, pool_ptr, table_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_ptr, H, scale, splits,
                   stride_qt, stride_qh, stride_x, stride_tn, stride_ot, stride_oh, stride_os,
                   C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -89,7 +92,7 @@ def _split_kernel(q_ptr, pool_ptr, table_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_pt
     tl.store(lse_ptr + (t * H + h) * splits + split, lse, mask=h_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _combine_kernel(o_ptr, lse_ptr, out_ptr, H, splits, stride_ot, stride_oh, stride_os, stride_out,
                     C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

@@ -144,12 +144,13 @@ class RelaidWeights:
 def warm_relaid(relaid: RelaidWeights, max_tokens: int, top_k: int, dtype: torch.dtype,
                 device: torch.device) -> int:
     """Compile every Humming kernel that `routed_experts` on these experts meets for calls of up to `max_tokens`
-    tokens (`humming.tiling_token_counts`), by one call at each count on zero inputs; returns the number of calls.
-    An engine runs this in its warm-up: otherwise a step whose routed-row count falls in a new tile config waits
-    seconds for a JIT compile."""
+    tokens (`humming.tiling_token_counts`), by one call at each count on zero inputs, after compiling their kernels
+    side by side (`humming.compile_tiles`); returns the number of calls. An engine runs this in its warm-up:
+    otherwise a step whose routed-row count falls in a new tile config waits seconds for a JIT compile."""
     from kimik3.ops.moe import humming
 
     counts = humming.tiling_token_counts(relaid, max_tokens, top_k, device)
+    humming.compile_tiles(relaid, counts, top_k, device)
     L, E = relaid.w2.config.shape_n, relaid.num_experts
     for n in counts:
         z = torch.zeros(n, L, dtype=dtype, device=device)

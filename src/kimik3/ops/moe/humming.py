@@ -30,6 +30,7 @@ The first call at each routed-row count also picks Humming's tiles (its heuristi
 from __future__ import annotations
 
 import json
+import os
 from typing import NamedTuple
 
 import torch
@@ -276,6 +277,31 @@ def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, rela
     y = torch.empty(M, L, dtype=z.dtype, device=z.device)
     _gemm(w2, h, y, tables2, 1, t2)
     return slot_sum(y, topk_weight)
+
+
+def compile_tiles(relaid: RelaidWeights, counts: list[int], top_k: int, device: torch.device,
+                  workers: int | None = None) -> int:
+    """Compile, side by side in threads, the Humming kernels calls of `counts` tokens run (each distinct (layer,
+    tile config) once); returns how many were asked for. Humming compiles a kernel in a child process (NVRTC) and
+    caches it on disk: serially the slice's 27 configs took 40 s of a new machine's warm-up (bench_startup), so
+    `warm_relaid` compiles them here first and its calls then only load them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import humming.forward  # noqa: F401 (registers torch.ops.humming)
+
+    guard = torch.empty(0, device=device)  # the op reads the device from a tensor
+    jobs = sorted({(layer.config.to_str(), _tuning(layer, n * top_k, device)[0])
+                   for n in counts for layer in (relaid.w13, relaid.w2)})
+
+    def prepare(job: tuple[str, str]) -> None:
+        torch.ops.humming.prepare_kernels(guard, job[0], COMPUTE, job[1])
+
+    if not jobs:
+        return 0
+    prepare(jobs[0])  # alone first: whatever Humming sets up once per process (its launcher) is set up by one thread
+    with ThreadPoolExecutor(max_workers=workers or max(1, min(len(jobs) - 1, os.cpu_count() or 1))) as pool:
+        list(pool.map(prepare, jobs[1:]))
+    return len(jobs)
 
 
 def tiling_token_counts(relaid: RelaidWeights, max_tokens: int, top_k: int, device: torch.device) -> list[int]:
