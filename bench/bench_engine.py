@@ -42,7 +42,6 @@ from bench.common import (
 )
 from kimik3.inference import SamplingParams
 from kimik3.inference.engine import Engine, EngineConfig, Request
-from kimik3.inference.engine.graphs import MIN_SPAN_BLOCKS, StepGraph
 from kimik3.model import K3ForCausalLM
 from kimik3.model.cache import state_bytes
 from kimik3.model.moe import LatentMoE
@@ -133,12 +132,11 @@ def engine_decode_ms(model, B: int, s: dict, graphs: bool, max_model_len: int | 
         engine.step()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    if profile:  # the static step on the scratch rows: the same kernels as the real rows, nothing overwritten
-        span = max((sp for rows, sp, L in engine.runner.graphs if rows == B and L == 1), default=MIN_SPAN_BLOCKS)
-        r = engine.runner
-        profile_top(StepGraph(r.model, r.pool, r.table, r.taps, B, span, 1, None)._forward,
-                    f"engine decode B={B}, max_model_len "
-                    f"{engine.max_model_len}", iters=3)
+    if profile:  # the real rows' step with graphs off: real routing (scratch rows all pick the same experts, which
+        # under-counted the experts' bytes at B=8 and 64), the same kernels a replay runs, launched eagerly
+        eager = decoding_engine(model, B, s, max_model_len, False)
+        profile_top(eager.step, f"engine decode B={B} (its rows, eager), max_model_len {eager.max_model_len}",
+                    iters=3)
     return sorted(times)[len(times) // 2]
 
 
