@@ -17,7 +17,15 @@ from torch import Tensor, nn
 from kimik3.config import TextConfig
 from kimik3.model.mlp import MLP
 from kimik3.model.norm import RMSNorm
-from kimik3.ops.moe import DenseWeights, ExpertWeights, PackedWeights, RelaidWeights, routed_experts, warm_relaid
+from kimik3.ops.moe import (
+    DenseWeights,
+    ExpertWeights,
+    PackedWeights,
+    RelaidWeights,
+    compile_relaid,
+    routed_experts,
+    warm_relaid,
+)
 from kimik3.ops.moe.cache import ExpertCache
 from kimik3.ops.moe.tiered import HostTier, TieredWeights
 from kimik3.ops.mxfp4 import packed_shapes
@@ -171,11 +179,10 @@ class LatentMoE(nn.Module):
         return out_ND.view(x.shape)
 
 
-def warm_experts(model: nn.Module, max_tokens: int) -> int:
-    """Compile the routed-expert kernels every step of up to `max_tokens` tokens meets (Humming's tile configs,
-    `kimik3.ops.moe.warm_relaid`), once per distinct expert shape (the compiled kernels are shared by the layers);
-    returns the calls made (0: no experts in Humming's layout, nothing compiles per row count)."""
-    done, calls = set(), 0
+def _relaid(model: nn.Module):
+    """(experts, top_k, the layer's dtype and device) of each distinct expert shape in Humming's layout (the
+    compiled kernels are shared by the layers)."""
+    done = set()
     for m in model.modules():
         if isinstance(m, LatentMoE) and isinstance(m.experts, RelaidExperts):
             r = m.experts.relaid
@@ -183,6 +190,18 @@ def warm_experts(model: nn.Module, max_tokens: int) -> int:
             if key not in done:
                 done.add(key)
                 w = m.routed_expert_down_proj.weight
-                calls += warm_relaid(r, max_tokens, m.gate.top_k, w.dtype, w.device)
-    return calls
+                yield r, m.gate.top_k, w.dtype, w.device
+
+
+def compile_experts(model: nn.Module, max_tokens: int) -> int:
+    """Compile, without running them, the routed-expert kernels every step of up to `max_tokens` tokens meets
+    (`kimik3.ops.moe.compile_relaid`); returns how many were asked for (0: no experts in Humming's layout)."""
+    return sum(compile_relaid(r, max_tokens, top_k, device) for r, top_k, _, device in _relaid(model))
+
+
+def warm_experts(model: nn.Module, max_tokens: int) -> int:
+    """Compile the routed-expert kernels every step of up to `max_tokens` tokens meets (Humming's tile configs,
+    `kimik3.ops.moe.warm_relaid`) and run each once; returns the calls made (0: no experts in Humming's layout,
+    nothing compiles per row count)."""
+    return sum(warm_relaid(r, max_tokens, top_k, dtype, device) for r, top_k, dtype, device in _relaid(model))
 

@@ -10,6 +10,7 @@ Legend: N sequences in the step, T packed tokens, M logit rows, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from kimik3.inference.engine.request import Sequence
 from kimik3.inference.engine.scheduler import Chunk
 from kimik3.inference.spec.taps import stack_taps, tapped
 from kimik3.lora.serving import ServedAdapters
-from kimik3.model.moe import warm_experts
+from kimik3.model.moe import compile_experts, warm_experts
 from kimik3.model.state import KDAView, StatePool
 from kimik3.model.step import build_step
 from kimik3.ops.backend import to_device
@@ -99,6 +100,8 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int, int], StepGraph] = {}  # (rows, span, row_len)
         self.commit_graphs: dict[int, CommitGraph] = {}  # rows
         if self.handle is not None:
+            # the graphs' expert kernels compile side by side first (their captures would compile them one by one)
+            compile_experts(model, self.sizes[-1] * verify_len)
             for n in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
                 self.graph(n, span_bucket(1, max_blocks), 1)
             if verify_len > 1:
@@ -208,19 +211,24 @@ class ModelRunner:
     def warmup(self, max_tokens: int) -> None:
         """Run each shape the engine meets once on the scratch rows, so nothing compiles or autotunes after it:
         a prefill chunk per power of two up to `max_tokens` (the expanded and the latent attention), alone and
-        with decode rows beside it (the graphs ran when they were captured)."""
-        warm_experts(self.model, max_tokens)  # steps carry at most max_tokens (chunks and decode rows)
+        with decode rows beside it (the graphs ran when they were captured). Meanwhile Humming's kernels for up to
+        `max_tokens` tokens compile in child processes (`compile_experts`, on a thread: no capture runs now) while
+        this thread compiles Triton's; then each runs once (`warm_experts`)."""
         scratch, Bs, n = self.pool.scratch_slot, self.pool.block_size, 1
-        while n <= max_tokens:
-            for lens in ([n], [n, 1, 1]):
-                tables = [[self.pool.scratch_block] * -(-m // Bs) for m in lens]
-                step = build_step(slots=[scratch] * len(lens), cached=[0] * len(lens), lens=lens, tables=tables,
-                                  block_size=Bs, conv_window=self.pool.conv_window,
-                                  pad_block=self.pool.scratch_block, device=self.device)
-                ids = torch.zeros(1, sum(lens), dtype=torch.long, device=self.device)
-                self.model.run_step(ids, self.pool, step, logits_at=torch.zeros(1, dtype=torch.long,
-                                                                                 device=self.device))
-            n *= 2
+        with ThreadPoolExecutor(1) as experts:
+            tiles = experts.submit(compile_experts, self.model, max_tokens)  # steps carry at most max_tokens tokens
+            while n <= max_tokens:
+                for lens in ([n], [n, 1, 1]):
+                    tables = [[self.pool.scratch_block] * -(-m // Bs) for m in lens]
+                    step = build_step(slots=[scratch] * len(lens), cached=[0] * len(lens), lens=lens, tables=tables,
+                                      block_size=Bs, conv_window=self.pool.conv_window,
+                                      pad_block=self.pool.scratch_block, device=self.device)
+                    ids = torch.zeros(1, sum(lens), dtype=torch.long, device=self.device)
+                    self.model.run_step(ids, self.pool, step,
+                                        logits_at=torch.zeros(1, dtype=torch.long, device=self.device))
+                n *= 2
+            tiles.result()
+        warm_experts(self.model, max_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

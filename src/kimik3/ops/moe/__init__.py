@@ -141,6 +141,16 @@ class RelaidWeights:
         return humming.routed_experts_relaid(z, topk_idx, topk_weight, self, beta, linear_beta)
 
 
+def compile_relaid(relaid: RelaidWeights, max_tokens: int, top_k: int, device: torch.device) -> int:
+    """Compile, side by side, the Humming kernels `routed_experts` on these experts meets for calls of up to
+    `max_tokens` tokens, without calling them (no launch: safe beside another thread's eager work); returns how
+    many (layer, tile config) pairs were asked for."""
+    from kimik3.ops.moe import humming
+
+    counts = humming.tiling_token_counts(relaid, max_tokens, top_k, device)
+    return humming.compile_tiles(relaid, counts, top_k, device)
+
+
 def warm_relaid(relaid: RelaidWeights, max_tokens: int, top_k: int, dtype: torch.dtype,
                 device: torch.device) -> int:
     """Compile every Humming kernel that `routed_experts` on these experts meets for calls of up to `max_tokens`
