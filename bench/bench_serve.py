@@ -218,12 +218,12 @@ class _StepClock:
         threading.Thread(target=_StepClock._watch, args=(weakref.ref(self),), daemon=True,
                          name="bench-watchdog").start()
 
-    def step(self):
+    def step(self, **kwargs):  # the serve loop passes on_launch
         t0 = time.perf_counter()
         if self.last_end is not None and t0 - self.last_end < 0.1:  # a longer gap is idle time, not host work
             self.between += t0 - self.last_end
         self.running = (threading.get_ident(), t0)
-        outs = self.inner()
+        outs = self.inner(**kwargs)
         self.running = None
         self.last_end = t1 = time.perf_counter()
         self.steps += 1

@@ -75,6 +75,8 @@ async def _one(session, url: str, ids: list[int], max_tokens: int, rec: dict) ->
                 done = True
                 continue
             chunk = json.loads(data)
+            if "error" in chunk:  # the stream's error event (the server failed the request): a failed request
+                return False
             for ch in chunk["choices"]:
                 lp = ch.get("logprobs")
                 rec["tokens"] += [time.perf_counter()] * (len(lp["tokens"]) if lp else 0)
