@@ -13,7 +13,8 @@ at concurrency 64).
 
 The device image lacks the serve stack: carry wheels (pip download --no-deps for Python 3.12 of fastapi,
 starlette, uvicorn, pydantic, pydantic-core, annotated-doc, annotated-types, typing-inspection, typing-extensions,
-opentelemetry-api into .whl/serve/, beside fla's wheel in .whl/) and start the one device call with
+opentelemetry-api (fastapi 0.165 imports it) into .whl/serve/, beside fla's wheel in .whl/) and start the one device
+call with
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl .whl/serve/*.whl &&
     PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 python3 bench/bench_serve.py
     PYTHONPATH=src:. python3 bench/bench_serve.py --smoke    # CPU: `kimik3 serve` on the demo model, load at
@@ -344,6 +345,10 @@ def main(smoke: bool, check: bool, host: bool, levels: tuple[int, ...] = SLICE_L
         return 1 if any(r["failed"] or not r["requests"] for r in results.values()) else 0
 
     if not host:  # first, before this process compiles anything into the shared Triton cache
+        if not check:  # the children start as an installed package's would (`byte_compile`)
+            from bench.common import byte_compile
+
+            results["byte_compile_s"] = byte_compile()
         results["fresh serve"] = f = fresh_serve(check, max(levels))
         table(f"fresh server (empty Triton cache, warm-up before ready), {max(levels)} streams",
               ["run", "TTFT p50 / p99 ms", "output tok/s", "longest step since ready s"],

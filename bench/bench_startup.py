@@ -96,21 +96,6 @@ def summary(events: list[dict]) -> dict:
     return out
 
 
-def byte_compile(prefix: str) -> float:
-    """Byte-compile every module on the path into `prefix` (PYTHONPYCACHEPREFIX): what pip does at install time.
-    The device image's site-packages is read-only and installed without .pyc files, so each new process compiled
-    ~3,000 modules' source (7.4 s of a 16 s `generate`, cProfile on the H200): a cost no installed user pays.
-    Returns the seconds it took (not part of any row)."""
-    import sysconfig
-
-    t0 = time.monotonic()
-    dirs = {sysconfig.get_paths()["purelib"], str(ROOT / "src"), *(p for p in sys.path if p.startswith("/tmp/site"))}
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *sorted(d for d in dirs if Path(d).is_dir())],
-                   env={**os.environ, "PYTHONPYCACHEPREFIX": prefix}, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-    return time.monotonic() - t0
-
-
 def spawn(args: list[str], events: str) -> subprocess.Popen:
     env = {**os.environ, EVENTS: events,
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -217,15 +202,13 @@ def child_main(argv: list[str]) -> int:
 
 
 def main(smoke: bool, rows: tuple[str, ...]) -> int:
-    from bench.common import environment, table, write_json
+    from bench.common import byte_compile, environment, table, write_json
 
     events = str(Path(os.environ.get("OUT", "out/bench")) / "startup_events.jsonl")
     Path(events).parent.mkdir(parents=True, exist_ok=True)
     results = {"env": environment()}
-    if not smoke:  # children read their .pyc from here, as an installed package's (byte_compile)
-        os.environ["PYTHONPYCACHEPREFIX"] = prefix = "/tmp/kimik3-bench-pycache"
-        results["byte_compile_s"] = byte_compile(prefix)
-        print(f"byte-compiled the path in {results['byte_compile_s']:.1f} s (as pip does at install)", flush=True)
+    if not smoke:
+        results["byte_compile_s"] = byte_compile()
     for row in rows:
         for run in ("first", "restart"):
             key = f"{row} {run}"
