@@ -64,3 +64,55 @@ def test_speculative_greedy_is_plain_greedy_in_bf16_gpu(demo_gpu, method, k):
     lm, prompts, want = demo_gpu
     cfg = SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
     assert tokens(lm, prompts, cfg) == want
+
+
+# a shared prefix of several snapshot-grid blocks: the second request restores the first's state from the prefix
+# cache and computes only what follows it
+SHARED = ("KING HENRY:\nOnce more unto the breach, dear friends, once more;\nOr close the wall up with our English "
+          "dead.\nIn peace there's nothing so becomes a man\nAs modest stillness and humility:\nBut when the blast "
+          "of war blows in our ears,\nThen imitate the action of the tiger;\nStiffen the sinews, summon up the "
+          "blood,\nDisguise fair nature with hard-favour'd rage;\n")
+HIT_PARAMS = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
+
+
+def after_a_hit(lm, speculative: SpeculativeConfig | None) -> tuple[list[list[int]], int, int]:
+    """Greedy tokens of two requests sharing SHARED, one after the other in one engine, how many prompt tokens the
+    second found in the prefix cache, and how many drafts were verified for it."""
+    tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
+    engine = Engine(lm, EngineConfig(**CONFIG, speculative=speculative))
+    first = engine.generate([tok.encode(SHARED + "EXETER:")], HIT_PARAMS)[0]
+    before = engine.speculator.stats.spec_decode_num_drafts if engine.speculator else 0
+    second = engine.generate([tok.encode(SHARED + "BEDFORD:")], HIT_PARAMS)[0]
+    drafts = (engine.speculator.stats.spec_decode_num_drafts if engine.speculator else 0) - before
+    return [first.outputs[0].token_ids, second.outputs[0].token_ids], second.cached_tokens, drafts
+
+
+@pytest.mark.parametrize("method,k", [("suffix", 7), ("draft", 3),
+                                      *(pytest.param(m, k, marks=pytest.mark.slow)
+                                        for m, k in (("suffix", 1), ("suffix", 3), ("draft", 1), ("draft", 7)))])
+def test_speculative_greedy_after_a_prefix_hit_is_plain_greedy_in_bf16(demo, method, k):
+    """After a prefix-cache hit (the second request restores the first's KDA and MLA state at a snapshot), greedy
+    with speculation still equals greedy without it in bf16; the drafter resumes from the first request's context
+    and drafts for the second (`DSparkProposer.resume`)."""
+    lm = demo[0]
+    want, hit, _ = after_a_hit(lm, None)
+    assert hit >= 64, "the second request should restore the shared prefix from the cache"
+    cfg = SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    got, hit_spec, drafts = after_a_hit(lm, cfg)
+    assert hit_spec == hit
+    assert drafts > 0, "the second request should speculate after its hit"
+    assert got == want
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("method", ["suffix", "draft"])
+def test_speculative_greedy_after_a_prefix_hit_is_plain_greedy_in_bf16_gpu(demo_gpu, method, k):
+    """The same on CUDA (graphed decode and verification steps)."""
+    lm = demo_gpu[0]
+    want, hit, _ = after_a_hit(lm, None)
+    assert hit >= 64
+    cfg = SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    got, hit_spec, drafts = after_a_hit(lm, cfg)
+    assert (hit_spec, got) == (hit, want) and drafts > 0
