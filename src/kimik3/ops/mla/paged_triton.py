@@ -29,16 +29,14 @@ __all__ = ["launch_shape", "paged_latent_attention"]
 
 BLOCK_H = 16  # heads per program: tl.dot's minimum M on tensor cores; K3's 96 heads are 6 head blocks
 TARGET_PROGRAMS = 2 * 132  # stage-1 programs to fill an H200's 132 SMs twice over at decode (T = 1)
-# the split count is a runtime argument, not a constexpr: it follows each step's longest sequence (a few blocks
-# to 64), and a constexpr compiled a kernel per count, mid-run on a new machine (1-1.5 s steps, issue 38); stage 2
-# reduces over MAX_SPLITS lanes, masked past the step's count
-MAX_SPLITS = 64
+MAX_SPLITS = 64  # stage 2 reduces over this many lanes, masked past the step's split count (a runtime argument)
 NUM_WARPS, NUM_STAGES = 4, 2
 
 
-# no value specialization of what changes from step to step (Triton compiles a variant per argument that is 1, a
-# multiple of 16, or neither): the split count and the block table's width (eager steps size it to their longest
-# sequence) would otherwise compile new variants mid-run (a 0.78 s step in a new machine's first pass)
+# what changes from step to step is neither a constexpr nor specialized on (Triton compiles a variant per integer
+# that is 1, a multiple of 16 or neither): the split count (1 to 64, from the step's longest sequence) and the block
+# table's width (eager steps size it to their longest sequence) compiled new kernels mid-run on a new machine
+# (1-1.5 s steps as a constexpr, then a 0.78 s step from the specializations; issue 38)
 @triton.jit(do_not_specialize=["splits", "stride_tn"])
 def _split_kernel(q_ptr, pool_ptr, table_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_ptr, H, scale, splits,
                   stride_qt, stride_qh, stride_x, stride_tn, stride_ot, stride_oh, stride_os,
