@@ -117,7 +117,7 @@ def profile_top(fn, title: str, iters: int = 5, rows: int = 25) -> None:
 # (category, name fragments), first match wins: a profile's kernels summed into what a note can reason about
 KERNEL_CATEGORIES = (
     ("MoE W4A16 experts", ("humming", "_gate_up_kernel", "_down_kernel", "_tiles_kernel", "_tables_kernel",
-                           "_combine_kernel", "_situ_kernel")),
+                           "_situ_kernel")),
     # LoRA over packed experts (kimik3.ops.lora.experts_grouped): a layer's codes decoded into a transient bf16 buffer
     ("MXFP4 decode (transient expert weights)", ("_mxfp4_decode_kernel",)),
     # torch's own CUTLASS 3.x kernels (at::cuda::detail::enable_3x_kernel_for_sm9x) are its grouped GEMM here
@@ -129,8 +129,10 @@ KERNEL_CATEGORIES = (
     ("copies, casts and fills", ("copy", "memcpy", "catarray", "memset", "fill")),
     ("torch elementwise and reductions", ("elementwise", "reduce", "softmax", "sort", "scan", "index", "gather",
                                           "scatter", "where")),
+    # (the paged MLA decode's two stages are `_split_kernel` and `_combine_kernel`)
     ("fused Triton (ours)", ("_fwd_kernel", "_bwd_kernel", "_forward_kernel", "_backward_kernel", "_decode_kernel",
-                             "_route_kernel", "_seq_", "_gathered_", "_gemv", "_reduce_kernel")),
+                             "_route_kernel", "_seq_", "_gathered_", "_gemv", "_reduce_kernel", "_split_kernel",
+                             "_combine_kernel")),
 )
 
 

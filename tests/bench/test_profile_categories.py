@@ -16,7 +16,6 @@ SEEN = {  # a kernel name as the profiler printed it on the H200: its category
     "_gate_up_kernel": "MoE W4A16 experts",
     "_tables_kernel": "MoE W4A16 experts",
     "_situ_kernel": "MoE W4A16 experts",  # Humming's path: the SiTU between its two GEMMs
-    "_combine_kernel": "MoE W4A16 experts",
     "_sum_rows_kernel": "grouped expert GEMMs and their gathers",
     "_combine_backward_kernel": "grouped expert GEMMs and their gathers",
     "_lowrank_add_kernel": "grouped expert GEMMs and their gathers",  # LoRA's rank-R products over the experts
@@ -39,6 +38,8 @@ SEEN = {  # a kernel name as the profiler printed it on the H200: its category
     "_forward_kernel": "fused Triton (ours)",
     "_route_kernel": "fused Triton (ours)",
     "_decode_kernel": "fused Triton (ours)",
+    "_split_kernel": "fused Triton (ours)",  # the paged MLA decode's two stages
+    "_combine_kernel": "fused Triton (ours)",
     "_mxfp4_decode_kernel": "MXFP4 decode (transient expert weights)",
     "some_new_kernel": "other",
 }
