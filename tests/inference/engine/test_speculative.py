@@ -6,6 +6,7 @@ distribution (chi-square, with a wrong acceptance rule as the negative control).
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -344,3 +345,43 @@ def test_bad_speculative_settings_are_value_errors(model):
         make_engine(model, speculative=SpeculativeConfig("draft", str(DEMO_DRAFTER)))
     with pytest.raises(ValueError, match="sync_tokens"):
         make_engine(model, speculative=SpeculativeConfig("suffix"), sync_tokens=lambda t: None)
+
+
+def test_verification_graph_rows_follow_their_buffers_memory():
+    """The batch buckets that get verification graphs are those whose saved KDA inputs fit the budget: at K3's
+    widths with k = 7, ~97 MB a row over 69 KDA layers, so 8 rows in 1 GiB; slice-12's 9 KDA layers, all 64."""
+    from kimik3.inference.engine.graphs import VERIFY_BUFFER_BYTES, verify_graph_rows
+
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+
+    def pool(num_kda):  # a StatePool's KDA tensors at K3's widths, on the meta device
+        return SimpleNamespace(recurrent=torch.empty(num_kda, 65, 96, 128, 128, device="meta"),
+                               conv=torch.empty(num_kda, 3, 65, 3, 96 * 128, dtype=torch.bfloat16, device="meta"),
+                               dtype=torch.bfloat16)
+
+    per_row = 69 * (3 * 8 * 96 * 128 * 2 + 8 * 96 * 4 + 3 * (8 + 3) * 96 * 128 * 2)
+    assert per_row == 96_869_376
+    assert verify_graph_rows(pool(69), 69, 8, sizes) == [1, 2, 4, 8]  # 11 rows would fit: the bucket below
+    assert verify_graph_rows(pool(9), 9, 8, sizes) == sizes
+    assert verify_graph_rows(pool(69), 69, 8, sizes, budget=per_row * 4) == [1, 2, 4]
+    assert verify_graph_rows(pool(69), 69, 8, sizes, budget=per_row - 1) == []  # none fit: eager verification
+    assert VERIFY_BUFFER_BYTES == 1 << 30
+
+
+def test_verification_without_graph_buckets_runs_eagerly(model, monkeypatch):
+    """No bucket fits the budget (`verify_sizes` empty): every verification step runs eagerly, not as a static
+    step, and greedy still equals the run without speculation."""
+    from kimik3.inference.engine import graphs
+
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (9, 30, 17), generator_seed=3)
+    params = greedy(8)
+    ref = run(make_engine(model), prompts, params)
+    engine = make_engine(model, use_cuda_graphs=True, **spec(oracle(prompts, ref, 0.6, V), 3))
+    engine.runner.verify_sizes = []  # what `verify_graph_rows` gives on CUDA when not one row fits
+    replayed, real = [], graphs.StepGraph.__call__
+    monkeypatch.setattr(graphs.StepGraph, "__call__",
+                        lambda self, chunks: (replayed.append(self.row_len), real(self, chunks))[1])
+    assert ids(run(engine, prompts, params)) == ids(ref)
+    assert engine.stats["spec_decode_num_drafts"] > 0
+    assert set(replayed) <= {1}  # no verification step ran as a static step

@@ -31,9 +31,9 @@ from kimik3.ops.moe.tiered import graph_holes
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_SPAN_BLOCKS = 16  # the smallest key span a graph is captured for (1,024 tokens in blocks of 64)
-# the most rows a verification graph has: its saved KDA inputs grow with the rows (per row and KDA layer, at K3's
-# widths, a few MB for 1 + k = 8 tokens), so larger verifying batches run eagerly (where speculation gains least)
-VERIFY_GRAPH_ROWS = 16
+# the memory the verification graphs' saved KDA inputs may take (`VerifyBuffers`, shared by all of them): the
+# graphed rows are the batch buckets that fit (`verify_graph_rows`); a larger verifying batch runs eagerly
+VERIFY_BUFFER_BYTES = 1 << 30
 
 
 def span_bucket(blocks: int, max_blocks: int) -> int:
@@ -69,6 +69,19 @@ class BlockTable:
             host = torch.tensor([idx, val], dtype=torch.long)
             dev = to_device(host, self.table.device)
             self.table.view(-1).index_copy_(0, dev[0], dev[1])
+
+
+def verify_graph_rows(pool: StatePool, num_kda: int, row_len: int, sizes: list[int],
+                      budget: int = VERIFY_BUFFER_BYTES) -> list[int]:
+    """The batch buckets of `sizes` whose verification graphs get graphs: those whose `VerifyBuffers` rows fit
+    `budget`. Per row and KDA layer the buffers hold k, v, g [L, H, K] and beta [L, H] fp32 and the three pre-conv
+    inputs [L+W-1, P]: at K3's widths (96 heads of 128, a window of 4) and 1 + k = 8, 1.4 MB, so ~97 MB a row over
+    its 69 KDA layers (8 rows fit 1 GiB), 12.6 MB a row for slice-12's 9 (all 64 fit)."""
+    _, _, H, K, _ = pool.recurrent.shape
+    W1, P = pool.conv.shape[-2:]
+    size = pool.dtype.itemsize
+    per_row = num_kda * (3 * row_len * H * K * size + row_len * H * 4 + 3 * (row_len + W1) * P * size)
+    return [n for n in sizes if n * per_row <= budget]
 
 
 class VerifyBuffers:

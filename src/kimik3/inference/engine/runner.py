@@ -18,13 +18,13 @@ from torch import Tensor, nn
 
 from kimik3.inference.engine.graphs import (
     GRAPH_BUCKETS,
-    VERIFY_GRAPH_ROWS,
     BlockTable,
     CommitGraph,
     StepGraph,
     VerifyBuffers,
     commit_kda,
     span_bucket,
+    verify_graph_rows,
 )
 from kimik3.inference.engine.request import Sequence
 from kimik3.inference.engine.scheduler import Chunk
@@ -92,11 +92,13 @@ class ModelRunner:
         # kernel sums in another order: in bf16 a verified row's logits then differ from decode's and speculation
         # changed greedy tokens); on the CPU for any number of rows (no graph memory to bound)
         self.static_verify = self.static or verify_static
-        self.verify_sizes = self.sizes if self.handle is None else sorted(
-            {n for n in self.sizes if n < VERIFY_GRAPH_ROWS} | {min(VERIFY_GRAPH_ROWS, self.sizes[-1])})
         self.kda = [(layer.self_attn, view) for layer, view in zip(model.model.layers, pool.layers)
                     if isinstance(view, KDAView)]
-        self.buffers = VerifyBuffers(pool, len(self.kda), self.verify_sizes[-1], verify_len)
+        # graphed verification: the batch buckets whose saved KDA inputs fit their memory budget (on the CPU, with
+        # no graph memory to bound, every bucket); none fit: verification steps run eagerly
+        self.verify_sizes = self.sizes if self.handle is None else verify_graph_rows(pool, len(self.kda), verify_len,
+                                                                                      self.sizes)
+        self.buffers = VerifyBuffers(pool, len(self.kda), max(self.verify_sizes, default=0), verify_len)
         self.graphs: dict[tuple[int, int, int], StepGraph] = {}  # (rows, span, row_len)
         self.commit_graphs: dict[int, CommitGraph] = {}  # rows
         if self.handle is not None:
@@ -146,7 +148,7 @@ class ModelRunner:
         more rows than a graph has, every sequence inside the block table."""
         L = self.verify_len if any(c.seq.draft is not None for c in chunks) else 1
         sizes = self.verify_sizes if L > 1 else self.sizes
-        return ((self.static_verify if L > 1 else self.static) and len(chunks) <= sizes[-1]
+        return ((self.static_verify if L > 1 else self.static) and len(chunks) <= max(sizes, default=0)
                 and all(c.num_tokens <= L and not c.exports for c in chunks)
                 and (media is None or all(m is None for m in media))
                 and max(c.seq.num_computed for c in chunks) + L <= self.max_blocks * self.pool.block_size)
