@@ -215,3 +215,14 @@ def test_decode_in_the_pool_continues_and_updates_each_slot():
     o = kda.decode_kda_with_gate(q, k, v, f, beta, A_log, dt_bias, lower_bound=-5.0, states=pool, slots=slots)
     assert torch.equal(o, o_ref) and torch.equal(pool, want)  # slots 1, 3, 4 as they were
     assert not torch.equal(pool[slots], before[slots])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_is_batch_invariant(dtype):
+    """A sequence's recurrent KDA outputs and state are bitwise the same alone and beside others (the engine's decode
+    and verification steps batch sequences in any number, 1 included; einsum took another kernel at one)."""
+    q, k, v, g, beta, S0 = make_inputs(5, 4, 2, 32, 32, dtype=dtype, with_state=True)
+    o1, s1 = kda.recurrent_kda(q[:1], k[:1], v[:1], g[:1], beta[:1], initial_state=S0[:1], output_final_state=True)
+    for B in (2, 5):
+        o, s = kda.recurrent_kda(q[:B], k[:B], v[:B], g[:B], beta[:B], initial_state=S0[:B], output_final_state=True)
+        assert torch.equal(o[:1], o1) and torch.equal(s[:1], s1)

@@ -174,3 +174,16 @@ def test_k3_dims_bf16_gpu(q_len):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replay, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_batch_invariant(dtype):
+    """A query row's output is bitwise the same whatever the step's other sequences are: however far they reach
+    (the key span the reference gathers) and however many rows there are, one included."""
+    q, pool, w, kw = case([300, 1500, 9], [1, 1, 1], 16, dtype, seed=3)
+    alone = dict(kw, block_tables_NM=kw["block_tables_NM"][:1], cu_seqlens_q=kw["cu_seqlens_q"][:2],
+                 seq_lens_N=kw["seq_lens_N"][:1])
+    want = reference.paged_latent_attention(q[:1], pool, w, **alone)
+    for span in (None, 305, 2000):  # the bound the step passes: its own length, a little over it, far over it
+        assert torch.equal(reference.paged_latent_attention(q[:1], pool, w, **alone, max_seq_len=span), want)
+    assert torch.equal(reference.paged_latent_attention(q, pool, w, **kw)[:1], want)  # beside a 1,500-key row

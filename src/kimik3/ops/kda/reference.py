@@ -60,9 +60,11 @@ def _recurrent_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S:
     outs = []
     for t in range(q.shape[2]):
         S = S * g[:, :, t, :, None].exp()
-        u = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, :, t]))
+        # [B, H, 1, K] @ [B, H, K, V], not einsum: einsum takes another kernel when B = 1, so a sequence's state
+        # would differ in its last bits between a step it runs alone and one it shares (batch invariance)
+        u = beta[:, :, t, None] * (v[:, :, t] - (k[:, :, t, None, :] @ S)[:, :, 0])
         S = S + k[:, :, t, :, None] * u[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
+        outs.append((q[:, :, t, None, :] @ S)[:, :, 0])
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(v.shape)
     return o, S
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kimik3.ops.rows import in_row_groups
 from kimik3.ops.varlen import check_cu_seqlens, sequence_ids
 
 
@@ -63,13 +64,16 @@ def paged_latent_attention(q_THK: Tensor, latent_pool_XC: Tensor, kv_b_weight: T
                            scale: float, max_seq_len: int | None = None) -> Tensor:
     """Absorbed MLA of packed queries over a paged latent cache; see kimik3.ops.mla.paged_latent_attention.
 
-    Gathers each sequence's rows through its block table over max(seq_lens) positions only (S below), zeroes those
-    past its length (they may hold stale or NaN rows: 0 * NaN would reach the output), then the math of
-    `mla_latent_attention` per query row."""
+    Gathers each sequence's rows through its block table over max(seq_lens) positions only (S below, whole blocks),
+    zeroes those past its length (they may hold stale or NaN rows: 0 * NaN would reach the output), then the math
+    of `mla_latent_attention` per query row. The probabilities times the values are summed block by block in a
+    fixed order (a block's product, then the blocks one after another), so a row's output does not depend on how
+    far the step's other sequences reach: one product over the whole span blocks its sum by the span's length,
+    and a row's last bits then changed with the batch it ran in (in bf16, another greedy token)."""
     T, H, _ = q_THK.shape
     N, C, bs = qk_nope_head_dim, kv_b_weight.shape[1], block_size
     S = int(seq_lens_N.max()) if max_seq_len is None else max_seq_len
-    S = min(S, block_tables_NM.shape[1] * bs)
+    S = min(-(-S // bs) * bs, block_tables_NM.shape[1] * bs)
     pos_S = torch.arange(S, device=q_THK.device)
     rows_NS = block_tables_NM.to(torch.int64)[:, pos_S // bs] * bs + pos_S % bs
     seq_T, kv_len_T = query_rows(cu_seqlens_q.to(q_THK.device), seq_lens_N.to(q_THK.device), T)
@@ -77,10 +81,13 @@ def paged_latent_attention(q_THK: Tensor, latent_pool_XC: Tensor, kv_b_weight: T
     latent_NSX = latent_pool_XC[rows_NS].float().masked_fill(~live_NS[..., None], 0.0)
     c_NSC, k_r_NSR = latent_NSX.split([C, latent_NSX.shape[-1] - C], dim=-1)
     w_HXC = kv_b_weight.float().view(H, -1, C)
-    q_lat_THC = torch.einsum("thn,hnc->thc", q_THK[..., :N].float(), w_HXC[:, :N])
+    # the products over the T query rows in fixed groups (`in_row_groups`): a row's result is the same in any step
+    q_lat_THC = in_row_groups(lambda q: torch.einsum("thn,hnc->thc", q, w_HXC[:, :N]), q_THK[..., :N].float())
     s_THS = (torch.einsum("thc,tsc->ths", q_lat_THC, c_NSC[seq_T])
              + torch.einsum("thr,tsr->ths", q_THK[..., N:].float(), k_r_NSR[seq_T])) * scale
     mask_TS = pos_S[None] < kv_len_T[:, None]
     p_THS = s_THS.masked_fill(~mask_TS[:, None], float("-inf")).softmax(-1)
-    o_lat_THC = torch.einsum("ths,tsc->thc", p_THS, c_NSC[seq_T])
-    return torch.einsum("thc,hvc->thv", o_lat_THC, w_HXC[:, N:]).to(q_THK.dtype)
+    nb = S // bs  # blocks: a block past a row's keys adds exact zeros
+    o_THbC = torch.einsum("thbs,tbsc->thbc", p_THS.view(T, H, nb, bs), c_NSC[seq_T].view(T, nb, bs, C))
+    o_lat_THC = o_THbC.cumsum(2)[:, :, -1]  # cumsum adds the blocks in order (a sum would pair them by their count)
+    return in_row_groups(lambda o: torch.einsum("thc,hvc->thv", o, w_HXC[:, N:]), o_lat_THC).to(q_THK.dtype)
