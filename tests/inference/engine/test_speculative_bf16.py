@@ -121,10 +121,11 @@ def test_speculative_greedy_after_a_prefix_hit_is_plain_greedy_in_bf16_gpu(demo_
 # 16 requests of other lengths and output lengths: in one engine they prefill together, then decode (or verify) in
 # steps whose row count falls as they finish apart, down to one
 SPEAKERS = ["ROMEO:", "KING HENRY:\nOnce more unto the breach,", "JULIET:\nO Romeo, Romeo!",
-            "HAMLET:\nTo be, or not to be", "MACBETH:\nIs this a dagger", "LEAR:\nBlow, winds,", "PROSPERO:\nOur revels now are ended.",
-            "PORTIA:\nThe quality of mercy", "OTHELLO:\nIt is the cause", "BRUTUS:\nRomans, countrymen,",
-            "ANTONY:\nFriends, Romans", "PUCK:\nIf we shadows have offended", "VIOLA:\nI left no ring with her",
-            "RICHARD:\nNow is the winter", "IAGO:\nI am not what I am", "CLEOPATRA:\nGive me my robe"]
+            "HAMLET:\nTo be, or not to be", "MACBETH:\nIs this a dagger", "LEAR:\nBlow, winds,",
+            "PROSPERO:\nOur revels now are ended.", "PORTIA:\nThe quality of mercy", "OTHELLO:\nIt is the cause",
+            "BRUTUS:\nRomans, countrymen,", "ANTONY:\nFriends, Romans", "PUCK:\nIf we shadows have offended",
+            "VIOLA:\nI left no ring with her", "RICHARD:\nNow is the winter", "IAGO:\nI am not what I am",
+            "CLEOPATRA:\nGive me my robe"]
 MIXED = [SamplingParams(temperature=0, max_new_tokens=12 + 2 * i, ignore_eos=True) for i in range(16)]
 
 
