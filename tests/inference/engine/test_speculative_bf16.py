@@ -149,3 +149,16 @@ def test_greedy_in_a_batch_of_16_is_greedy_alone_in_bf16(demo, alone, method, k)
     cfg = None if method is None else SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
     engine = Engine(demo[0], EngineConfig(max_num_seqs=16, max_model_len=512, speculative=cfg))
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, MIXED)] == want
+
+
+def test_seeded_samples_in_a_batch_are_the_solo_samples_in_bf16(demo):
+    """A seeded request's draws depend only on its own logits, and those no longer on its batch: four seeded
+    requests sampled together give their solo tokens (before the references summed each row alike in any batch,
+    three of these four parted from their solo runs)."""
+    tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
+    prompts = [tok.encode(t) for t in ("ROMEO:", "JULIET:\nO Romeo,", "HAMLET:\nTo be", SPEAKERS[1])]
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_new_tokens=48) for i in range(4)]
+    solo = [Engine(demo[0], EngineConfig(**CONFIG)).generate([p], q)[0].outputs[0].token_ids
+            for p, q in zip(prompts, params)]
+    together = Engine(demo[0], EngineConfig(max_num_seqs=4, max_model_len=512)).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in together] == solo
