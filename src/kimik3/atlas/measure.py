@@ -25,6 +25,7 @@ from kimik3.model import K3ForConditionalGeneration
 from kimik3.model.cache import state_bytes
 from kimik3.model.moe import Experts, MXFP4Experts, Router
 from kimik3.model.vision import encode_images
+from kimik3.ops.rows import ROWS
 
 
 def small_like(cfg: K3Config) -> K3Config:
@@ -152,8 +153,10 @@ def flops_per_token(model: nn.Module, comps: list[Component], cfg: K3Config, con
     return out
 
 
-def check_flops(cfg: K3Config, comps: list[Component], tokens: int = 12) -> list[dict]:
-    """Formula vs FlopCounterMode on a small copy of `cfg`: one row per leaf (summed over its instances).
+def check_flops(cfg: K3Config, comps: list[Component], tokens: int = ROWS) -> list[dict]:
+    """Formula vs FlopCounterMode on a small copy of `cfg`: one row per leaf (summed over its instances). `tokens`
+    is a multiple of `kimik3.ops.rows.ROWS`: the reference router's fp32 product runs in groups of that many rows,
+    the last padded with zeros (batch invariance), and at other counts the padding's FLOPs would be counted too.
 
     Weights: the counted aten.mm of the leaf's matmul modules == tokens x formula. MLA core: the reference
     computes the full [T, T] score matrix (masked), so its counted bmm == tokens x core(T keys)."""
