@@ -6,7 +6,10 @@ in their last bits with the batch it ran in, and in bf16 a near tie then went an
 tokens depended on what else the engine was running (issue 39). `in_row_groups` runs a product over groups of ROWS
 rows, the last padded with zeros: every call has one shape, and in it a row's sums depend neither on its place nor
 on the other rows (tests/ops/test_rows.py measures both). bf16 GEMMs (the model's linear layers) need none of this:
-on the CPU they sum each row alike at any row count (the same test).
+on the CPU they sum each row alike at any row count (the same test). Off the CPU it runs fn once: cuBLAS changes its
+sums with the row count too, and grouping one product would not make a step invariant there (the GPU's batch
+invariance is its kernels' work), while a loop of small products would slow the training forward whose fp32 master
+router weight takes the reference path on CUDA.
 
 Legend: M rows.
 """
@@ -22,8 +25,11 @@ ROWS = 16
 
 
 def in_row_groups(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """fn over x's leading dim in groups of ROWS rows (the last padded with zero rows, cut off after):
-    [M, ...] -> [M, ...]. `fn` must treat its rows independently (a product with x's rows on the left)."""
+    """fn over x's leading dim in groups of ROWS rows (the last padded with zero rows, cut off after) on the CPU, in
+    one call elsewhere: [M, ...] -> [M, ...]. `fn` must treat its rows independently (a product with x's rows on
+    the left)."""
+    if x.device.type != "cpu":
+        return fn(x)
     M = x.shape[0]
     pad = -M % ROWS
     if pad:

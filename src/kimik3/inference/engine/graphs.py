@@ -73,10 +73,10 @@ class BlockTable:
 
 def verify_graph_rows(pool: StatePool, num_kda: int, row_len: int, sizes: list[int],
                       budget: int = VERIFY_BUFFER_BYTES) -> list[int]:
-    """The batch buckets of `sizes` whose verification graphs get graphs: those whose `VerifyBuffers` rows fit
-    `budget`. Per row and KDA layer the buffers hold k, v, g [L, H, K] and beta [L, H] fp32 and the three pre-conv
-    inputs [L+W-1, P]: at K3's widths (96 heads of 128, a window of 4) and 1 + k = 8, 1.4 MB, so ~97 MB a row over
-    its 69 KDA layers (8 rows fit 1 GiB), 12.6 MB a row for slice-12's 9 (all 64 fit)."""
+    """The batch buckets of `sizes` that get verification graphs: those whose `VerifyBuffers` rows fit `budget`.
+    Per row and KDA layer the buffers hold k, v, g [L, H, K] and beta [L, H] fp32 and the three pre-conv inputs
+    [L+W-1, P]: at K3's widths (96 heads of 128, a window of 4) and 1 + k = 8, 1.4 MB, so ~97 MB a row over its 69
+    KDA layers (8 rows fit 1 GiB), 12.6 MB a row for slice-12's 9 (all 64 fit)."""
     _, _, H, K, _ = pool.recurrent.shape
     W1, P = pool.conv.shape[-2:]
     size = pool.dtype.itemsize

@@ -153,14 +153,14 @@ def compile_relaid(relaid: RelaidWeights, max_tokens: int, top_k: int, device: t
 
 def warm_relaid(relaid: RelaidWeights, max_tokens: int, top_k: int, dtype: torch.dtype,
                 device: torch.device) -> int:
-    """Compile every Humming kernel that `routed_experts` on these experts meets for calls of up to `max_tokens`
-    tokens (`humming.tiling_token_counts`), by one call at each count on zero inputs, after compiling their kernels
-    side by side (`humming.compile_tiles`); returns the number of calls. An engine runs this in its warm-up:
-    otherwise a step whose routed-row count falls in a new tile config waits seconds for a JIT compile."""
+    """Run `routed_experts` on these experts once at each token count up to `max_tokens` that meets a new Humming
+    kernel (`humming.tiling_token_counts`), on zero inputs, so every kernel those calls meet is compiled and loaded;
+    returns the number of calls. An engine runs this in its warm-up, after `compile_relaid` compiled the kernels
+    side by side (alone, each call compiles its own, one after another): otherwise a step whose routed-row count
+    falls in a new tile config waits seconds for a JIT compile."""
     from kimik3.ops.moe import humming
 
     counts = humming.tiling_token_counts(relaid, max_tokens, top_k, device)
-    humming.compile_tiles(relaid, counts, top_k, device)
     L, E = relaid.w2.config.shape_n, relaid.num_experts
     for n in counts:
         z = torch.zeros(n, L, dtype=dtype, device=device)

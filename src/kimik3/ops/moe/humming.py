@@ -279,12 +279,11 @@ def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, rela
     return slot_sum(y, topk_weight)
 
 
-def compile_tiles(relaid: RelaidWeights, counts: list[int], top_k: int, device: torch.device,
-                  workers: int | None = None) -> int:
+def compile_tiles(relaid: RelaidWeights, counts: list[int], top_k: int, device: torch.device) -> int:
     """Compile, side by side in threads, the Humming kernels calls of `counts` tokens run (each distinct (layer,
     tile config) once); returns how many were asked for. Humming compiles a kernel in a child process (NVRTC) and
-    caches it on disk: serially the slice's 27 configs took 40 s of a new machine's warm-up (bench_startup), so
-    `warm_relaid` compiles them here first and its calls then only load them."""
+    caches it on disk: serially the slice's 27 configs took 40 s of a new machine's warm-up (bench_startup), so an
+    engine compiles them here (`compile_relaid`) before `warm_relaid`'s calls, which then only load them."""
     from concurrent.futures import ThreadPoolExecutor
 
     import humming.forward  # noqa: F401 (registers torch.ops.humming)
@@ -299,7 +298,7 @@ def compile_tiles(relaid: RelaidWeights, counts: list[int], top_k: int, device: 
     if not jobs:
         return 0
     prepare(jobs[0])  # alone first: whatever Humming sets up once per process (its launcher) is set up by one thread
-    with ThreadPoolExecutor(max_workers=workers or max(1, min(len(jobs) - 1, os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs) - 1, os.cpu_count() or 1))) as pool:
         list(pool.map(prepare, jobs[1:]))
     return len(jobs)
 
