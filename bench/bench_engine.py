@@ -1,7 +1,8 @@
 """The serving engine at the settings users run: decode steps against `max_model_len` and the bytes floor, a
 mixed step's composition, continuous against static batching, and the prefix cache's time to first token.
 
-Rows (issue 26), all in one call:
+Rows (issue 26), all in one call (and `deterministic`, asked for by --rows: the batch-invariant mode's cost at
+each batch and on a prefill chunk, issue 39):
   decode    engine decode steps (sampling and bookkeeping included) at 1, 8, 64 sequences of context 1,024 with the
             default max_model_len (the config's max_position_embeddings: 1,048,576 for slice-12) vs 1,100 (target
             <= 1.1x), and vs the bytes floor (weights the step must read + the KDA states and MLA latents at that
@@ -17,7 +18,7 @@ Rows (issue 26), all in one call:
     PYTHONPATH=src:. python3 bench/bench_engine.py             # device: slice-12, table + $OUT/bench_engine.json
     PYTHONPATH=src:. python3 bench/bench_engine.py --cpu-demo  # the same rows, scaled down, demo model fp32 on CPU
     PYTHONPATH=src:. python3 bench/bench_engine.py --smoke     # CPU check of this script at toy sizes
-    ... --rows prefix,mixed      # only some of decode, mixedstep, prefix, mixed (also joined by +)
+    ... --rows prefix,mixed      # only some of decode, mixedstep, prefix, mixed, deterministic (also joined by +)
     ... --profile             # decode and mixedstep rows also: the kernels of one step by category
 """
 
@@ -120,11 +121,11 @@ def run_static(engine: Engine, reqs, batch: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def engine_decode_ms(model, B: int, s: dict, graphs: bool, max_model_len: int | None, profile: bool = False
-                     ) -> float:
+def engine_decode_ms(model, B: int, s: dict, graphs: bool, max_model_len: int | None, profile: bool = False,
+                     deterministic: bool = False) -> float:
     """Median ms of an engine step once B sequences of `context` tokens all decode (the MLA pool sized for the
     context alone, so both max_model_len settings hold the same blocks: only the step's span can differ)."""
-    engine = decoding_engine(model, B, s, max_model_len, graphs)
+    engine = decoding_engine(model, B, s, max_model_len, graphs, deterministic=deterministic)
     times = []
     for _ in range(s["steps"]):
         sync()
@@ -134,18 +135,18 @@ def engine_decode_ms(model, B: int, s: dict, graphs: bool, max_model_len: int | 
         times.append((time.perf_counter() - t0) * 1e3)
     if profile:  # the real rows' step with graphs off: real routing (scratch rows all pick the same experts, which
         # under-counted the experts' bytes at B=8 and 64), the same kernels a replay runs, launched eagerly
-        eager = decoding_engine(model, B, s, max_model_len, False)
-        profile_top(eager.step, f"engine decode B={B} (its rows, eager), max_model_len {eager.max_model_len}",
-                    iters=3)
+        eager = decoding_engine(model, B, s, max_model_len, False, deterministic=deterministic)
+        profile_top(eager.step, f"engine decode B={B} (its rows, eager), max_model_len {eager.max_model_len}"
+                    + (", deterministic" if deterministic else ""), iters=3)
     return sorted(times)[len(times) // 2]
 
 
-def mixed_step_ms(model, s: dict, graphs: bool, rows: int) -> float:
+def mixed_step_ms(model, s: dict, graphs: bool, rows: int, deterministic: bool = False) -> float:
     """Median ms of one step carrying a `chunk`-token prefill chunk beside `rows` decode rows (a fresh engine in
     the same state for each of three runs)."""
     times = []
     for rep in range(3):
-        engine = decoding_engine(model, rows, s, None, graphs, spare=s["chunk"] + 64)
+        engine = decoding_engine(model, rows, s, None, graphs, spare=s["chunk"] + 64, deterministic=deterministic)
         engine.scheduler.budget = s["chunk"] + rows  # the whole chunk and every decode row in one step
         prompt = torch.randint(0, 1000, (s["chunk"] + 1,), generator=torch.Generator().manual_seed(rep)).tolist()
         engine.add_request(Request("prefill", prompt, greedy(1)))
@@ -240,6 +241,8 @@ def main(mode: str, which: tuple[str, ...] = ("decode", "mixedstep", "prefix", "
                      f"{both:.1f}", f"{alone:.1f}", f"{both / alone:.2f}x", "<= 1.3x"])
         emit(results, rows, mode)
 
+    if "deterministic" in which:
+        deterministic_rows(model, s, graphs, results, rows, mode, profile)
     if "prefix" in which:
         prefix_row(model, s, vocab, results, rows, mode)
     if "mixed" in which:
@@ -249,6 +252,24 @@ def main(mode: str, which: tuple[str, ...] = ("decode", "mixedstep", "prefix", "
     results["table"] = table(f"engine: {title}", ["row", "measured", "baseline", "ratio", "target"], rows)
     results["env"] = environment()
     write_json(f"bench_engine_{mode}", {**results, "rows": rows})
+
+
+def deterministic_rows(model, s, graphs, results, rows, mode, profile: bool) -> None:
+    """The batch-invariant mode's cost (`EngineConfig.deterministic`, issue 39: on by default if <= 10% of decode
+    tokens/s): decode steps at each batch and a prefill chunk alone, with the mode and without, at serve's
+    max_model_len default."""
+    for B in s["batches"]:
+        plain = engine_decode_ms(model, B, s, graphs, None)
+        inv = engine_decode_ms(model, B, s, graphs, None, profile, deterministic=True)
+        results[f"deterministic decode B={B}"] = {"deterministic_ms": inv, "default_ms": plain, "ratio": inv / plain}
+        rows.append([f"decode step B={B}, context {s['context']}: deterministic vs default (ms)", f"{inv:.2f}",
+                     f"{plain:.2f}", f"{inv / plain:.2f}x", "<= 1.1x: on by default"])
+        emit(results, rows, mode)
+    plain, inv = mixed_step_ms(model, s, graphs, 0), mixed_step_ms(model, s, graphs, 0, deterministic=True)
+    results["deterministic prefill"] = {"deterministic_ms": inv, "default_ms": plain, "ratio": inv / plain}
+    rows.append([f"step: a {s['chunk']}-token prefill chunk, deterministic vs default (ms)", f"{inv:.1f}",
+                 f"{plain:.1f}", f"{inv / plain:.2f}x", ""])
+    emit(results, rows, mode)
 
 
 def prefix_row(model, s, vocab, results, rows, mode) -> None:

@@ -204,14 +204,15 @@ def child_main(argv: list[str]) -> int:
 def main(smoke: bool, rows: tuple[str, ...]) -> int:
     from bench.common import byte_compile, environment, table, write_json
 
-    events = str(Path(os.environ.get("OUT", "out/bench")) / "startup_events.jsonl")
-    Path(events).parent.mkdir(parents=True, exist_ok=True)
+    out = Path(os.environ.get("OUT", "out/bench"))
+    out.mkdir(parents=True, exist_ok=True)
     results = {"env": environment()}
     if not smoke:
         results["byte_compile_s"] = byte_compile()
     for row in rows:
         for run in ("first", "restart"):
             key = f"{row} {run}"
+            events = str(out / f"startup_events_{row}_{run}.jsonl")  # each row's own: a new machine's list stays
             results[key] = r = (generate_row if row == "generate" else serve_row)(smoke, events)
             print(key, json.dumps({k: v for k, v in r.items() if k != "text"}), flush=True)
             write_json("bench_startup", results)

@@ -239,7 +239,8 @@ def byte_compile(prefix: str = "/tmp/kimik3-bench-pycache") -> float:
     return seconds
 
 
-def decoding_engine(model, B: int, s: dict, max_model_len: int | None, graphs: bool, spare: int = 0):
+def decoding_engine(model, B: int, s: dict, max_model_len: int | None, graphs: bool, spare: int = 0,
+                    deterministic: bool = False):
     """An engine whose B sequences of `context` tokens are prefilled and decoding (s: context, steps, budget;
     the MLA pool sized for that context alone, plus `spare` tokens' blocks and one more slot when `spare`)."""
     from kimik3.inference import SamplingParams
@@ -252,7 +253,7 @@ def decoding_engine(model, B: int, s: dict, max_model_len: int | None, graphs: b
     engine = Engine(model, EngineConfig(max_num_seqs=B + (spare > 0),
                                         max_num_batched_tokens=max(s["budget"], s["context"] + 64),
                                         max_model_len=max_model_len, use_cuda_graphs=graphs, enable_prefix_cache=False,
-                                        num_blocks=B * per_seq + -(-spare // 64) + 8))
+                                        num_blocks=B * per_seq + -(-spare // 64) + 8, deterministic=deterministic))
     g = torch.Generator().manual_seed(B)
     for i in range(B):
         prompt = torch.randint(0, 1000, (s["context"],), generator=g).tolist()

@@ -187,3 +187,84 @@ def test_reference_is_batch_invariant(dtype):
     for span in (None, 305, 2000):  # the bound the step passes: its own length, a little over it, far over it
         assert torch.equal(reference.paged_latent_attention(q[:1], pool, w, **alone, max_seq_len=span), want)
     assert torch.equal(reference.paged_latent_attention(q, pool, w, **kw)[:1], want)  # beside a 1,500-key row
+
+
+def _first_row_beside(op, q, pool, w, kw, others: list[int], span: int):
+    """Sequence 0's output (one query row) in a step with sequences 1.. cut to `others` of them, under host bound
+    `span`: the step's size and reach change, sequence 0 does not."""
+    n = 1 + len(others)
+    step = dict(kw, block_tables_NM=kw["block_tables_NM"][:n], cu_seqlens_q=kw["cu_seqlens_q"][:n + 1],
+                seq_lens_N=kw["seq_lens_N"][:n])
+    return op(q[:n], pool, w, **step, max_seq_len=span)[:1]
+
+
+def test_invariant_splits_follow_each_row_alone(fast, monkeypatch):
+    """In batch-invariant mode a row's key ranges follow its own length: beside a short or a long sequence, under
+    a bound of its own length or far past it (other grids), its output is the same bits, near the reference. The
+    products around the kernel are CPU torch here, so the query row count stays 2 (T changes the absorption GEMM's
+    shape, which is the products' half of the mode, tested in test_matmul.py)."""
+    from kimik3.ops.backend import use_backend
+
+    monkeypatch.setattr(fast, "INVARIANT_SPLIT_KEYS", 16)  # 4 blocks a range: the 60-key row gets several
+    q, pool, w, kw = case([60, 5, 900], [1, 1, 1], 4, torch.float32, seed=4)
+    with use_backend(batch_invariant=True):
+        grids = [fast.split_rule(2, H, span, 4)[0] for span in (60, 900, 4000)]
+        assert len({g[2] for g in grids}) == 3  # three grids, one answer
+        outs = [fast.paged_latent_attention(q[:2], pool, w, **dict(kw, block_tables_NM=kw["block_tables_NM"][i],
+                                                                   cu_seqlens_q=kw["cu_seqlens_q"][:3],
+                                                                   seq_lens_N=kw["seq_lens_N"][i]),
+                                            max_seq_len=span)[:1]
+                for i, span in (([0, 1], 60), ([0, 1], 4000), ([0, 2], 900), ([0, 2], 4000))]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    want = reference.paged_latent_attention(q[:1], pool, w, **dict(kw, block_tables_NM=kw["block_tables_NM"][:1],
+                                                                      cu_seqlens_q=kw["cu_seqlens_q"][:2],
+                                                                      seq_lens_N=kw["seq_lens_N"][:1]))
+    assert rel_err(outs[0], want) < 1e-5
+
+
+def test_split_rule_covers_every_row():
+    """In batch-invariant mode every row's ranges fit the grid, at most MAX_SPLITS of them, for any length up to
+    the bound; by default the grid is `launch_shape`'s and the divisor its split count."""
+    from kimik3.ops.backend import use_backend
+    from kimik3.ops.mla import paged_triton as pt
+
+    bs = 64
+    for span in (1, 64, 300, 4096, 70_000, 1 << 20):
+        grid, divisor, min_blocks = pt.split_rule(8, 96, span, bs)
+        assert grid == pt.launch_shape(8, 96, span, bs) and (divisor, min_blocks) == (grid[2], 1)
+        with use_backend(batch_invariant=True):
+            grid, divisor, min_blocks = pt.split_rule(8, 96, span, bs)
+        assert divisor == pt.MAX_SPLITS and min_blocks == pt.INVARIANT_SPLIT_KEYS // bs
+        for length in {1, span // 3 + 1, span}:
+            blocks = -(-length // bs)
+            per = max(-(-blocks // divisor), min_blocks)
+            assert -(-blocks // per) <= grid[2] <= pt.MAX_SPLITS
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_k3_dims_batch_invariant_gpu():
+    """K3's dims in bf16 on CUDA inside `batch_invariant`: sequence 0's row alone, beside 1 to 63 others of up to
+    20k keys (other row counts, grids and key spans), eager and from a graph, is the same bits; near the
+    reference."""
+    from kimik3.ops.matmul import batch_invariant
+
+    gen = torch.Generator().manual_seed(7)
+    lens = [777] + torch.randint(1, 20_000, (63,), generator=gen).tolist()
+    q, pool, w, kw = case(lens, [1] * 64, 64, torch.bfloat16, c=512, r=64, nope=128, v=128, h=96, device="cuda")
+    with batch_invariant():
+        want = _first_row_beside(mla.paged_latent_attention, q, pool, w, kw, [], 777)
+        for n, span in ((1, 1024), (7, 20_000), (63, 20_000), (63, 1 << 20)):
+            got = _first_row_beside(mla.paged_latent_attention, q, pool, w, kw, list(range(n)), span)
+            assert torch.equal(got, want), (n, span)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replay = _first_row_beside(mla.paged_latent_attention, q, pool, w, kw, list(range(15)), 1 << 17)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replay, want)
+    ref = reference.paged_latent_attention(q[:1].float(), pool.float(), w.float(),
+                                           **dict(kw, block_tables_NM=kw["block_tables_NM"][:1],
+                                                  cu_seqlens_q=kw["cu_seqlens_q"][:2], seq_lens_N=kw["seq_lens_N"][:1]))
+    assert rel_err(want.float(), ref) < TOL[torch.bfloat16]

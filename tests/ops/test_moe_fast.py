@@ -256,3 +256,39 @@ def test_grouped_matches_reference_gpu(N, A, dims):
     for g, r in zip(grads, ref_grads):
         assert rel_err(g, r) < 2e-2
     assert (grads[2][1] == 0).all() and (grads[4][2] == 0).all()  # experts 1, 2 received no token
+
+
+def _invariant_rows(run, z, idx, tw, counts=(1, 2, 7, 64, 65)):
+    """Inside `batch_invariant`: each call's rows equal the same tokens' rows of one call over all of them."""
+    from kimik3.ops.matmul import batch_invariant
+
+    with batch_invariant():
+        full = run(z, idx, tw)
+        for n in counts:
+            for start in (0, z.shape[0] - n):
+                rows = slice(start, start + n)
+                assert torch.equal(run(z[rows], idx[rows], tw[rows]), full[rows]), (n, start)
+    return full
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_mxfp4_rows_are_batch_invariant_gpu():
+    """Our W4A16 kernels inside `batch_invariant`: one tiling for any row count (by default 1 token and 300 tokens
+    take other tiles), so a token's output is the same bits in any call; near the reference."""
+    from kimik3.ops.moe import triton_mxfp4
+
+    gen = torch.Generator().manual_seed(11)
+    E, L, F = 16, 256, 192
+    z = torch.randn(300, L, generator=gen).bfloat16().cuda()
+    idx, tw = routing(300, 4, E, gen, device="cuda")
+    packed, scales = mx_experts(E, L, F, gen, device="cuda")
+
+    def run(z, idx, tw):
+        return triton_mxfp4.routed_experts_mxfp4(z, idx, tw, packed, scales, 4.0, 25.0)
+
+    full = _invariant_rows(run, z, idx, tw)
+    ref = reference.routed_experts_mxfp4(z.cpu(), idx.cpu(), tw.cpu(), tuple(p.cpu() for p in packed),
+                                         tuple(s.cpu() for s in scales), 4.0, 25.0)
+    assert rel_err(full.float().cpu(), ref.float()) < 1e-2

@@ -401,3 +401,27 @@ def test_warm_relaid_leaves_nothing_to_compile_gpu(monkeypatch):
         idx, tw = routing(n, A, E, gen, device="cuda")
         humming.routed_experts_relaid(z, idx, tw, relaid, BETA, LINEAR_BETA)
     assert set(HummingKernel._str2kernel_cache) == compiled
+
+
+@gpu
+@requires_cuda
+@needs_humming
+def test_humming_rows_are_batch_invariant_gpu():
+    """Humming's batch-invariant kernels inside `batch_invariant`, at K3's widths: the tiles still follow the row
+    count, the sums do not: a token's output is the same bits at 1 to 300 tokens; near the reference. Their
+    kernels compile first, side by side (`compile_tiles` in the mode)."""
+    from kimik3.ops.matmul import batch_invariant
+    from kimik3.ops.moe import humming
+    from tests.ops.test_moe_fast import _invariant_rows
+
+    z, idx, tw, packed, scales = _gpu_case(300, 16, K3_DIMS["E"], seed=9)
+    relaid = humming.relayout(packed, scales)
+    with batch_invariant():
+        assert humming.compile_tiles(relaid, [1, 2, 7, 64, 65, 235, 300], 16, z.device) > 0
+
+    def run(z, idx, tw):
+        return humming.routed_experts_relaid(z, idx, tw, relaid, BETA, LINEAR_BETA)
+
+    full = _invariant_rows(run, z, idx, tw)
+    ref = reference.routed_experts_mxfp4(z, idx, tw, packed, scales, BETA, LINEAR_BETA)
+    assert rel_err(full, ref) < 1e-2

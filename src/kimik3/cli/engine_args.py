@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: str = "64", war
                    help="with --cpu-offload-gb: experts not in the GPU cache computed on the host's cores or copied "
                         "to the GPU (copy: greedy tokens equal the all-resident model's bit for bit, in bf16 too); "
                         "auto (default): the cheaper by measured cost, each step")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant kernels on the GPU: a request's tokens do not depend on what else runs "
+                        "beside it, and greedy tokens with speculative decoding equal those without it, in bf16 too "
+                        "(docs/inference.md has its cost; default: off)")
     g.add_argument("--speculative-method", choices=("suffix", "draft"), default=None,
                    help="speculative decoding: suffix (model-free, copies from the prompt and output) or draft "
                         "(a DSpark-style drafter, --speculative-model); the same output (greedy: the same tokens in "
@@ -109,7 +113,8 @@ def engine_config(args, base, positions: int | None = None):
     given = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                ("max_num_batched_tokens", args.max_num_batched_tokens),
                                ("max_model_len", limit), ("prefix_cache_bytes", args.prefix_cache_bytes),
-                               ("cpu_offload_gb", offload), ("expert_trace", trace), ("expert_misses", misses))
+                               ("cpu_offload_gb", offload), ("expert_trace", trace), ("expert_misses", misses),
+                               ("deterministic", getattr(args, "deterministic", None)))
              if v is not None}
     if args.no_prefix_cache or args.prefix_cache_bytes is not None:
         given["enable_prefix_cache"] = not args.no_prefix_cache

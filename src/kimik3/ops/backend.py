@@ -30,6 +30,7 @@ OPS = ("attnres", "kda", "lora", "mla", "mxfp4", "optim", "rmsnorm", "router", "
 _backend: ContextVar[str] = ContextVar("kimik3_backend", default="auto")
 _moe_backend: ContextVar[str] = ContextVar("kimik3_moe_backend", default="auto")
 _op_backends: ContextVar[dict[str, str] | None] = ContextVar("kimik3_op_backends", default=None)
+_batch_invariant: ContextVar[bool] = ContextVar("kimik3_batch_invariant", default=False)
 
 
 def use_fast(t: Tensor, op: str) -> bool:
@@ -60,6 +61,12 @@ def has_fla() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def batch_invariant_mode() -> bool:
+    """Whether the ops that pick their tiles or work split by the call's size must pick one for every size (MLA's
+    paged decode, the MoE kernels): set by `kimik3.ops.matmul.batch_invariant`, which also routes the products."""
+    return _batch_invariant.get()
+
+
 def moe_backend() -> str:
     """The W4A16 MoE kernels in force: one of MOE_BACKENDS ("auto" unless `use_backend(moe=...)` says otherwise)."""
     return _moe_backend.get()
@@ -78,10 +85,12 @@ def moe_backend_from_env() -> str:
 
 
 @contextmanager
-def use_backend(name: str | None = None, *, moe: str | None = None, **ops: str) -> Iterator[None]:
+def use_backend(name: str | None = None, *, moe: str | None = None, batch_invariant: bool | None = None,
+                **ops: str) -> Iterator[None]:
     """Run the block with `name` ("torch" = references everywhere, "auto" = fast paths on CUDA), the MoE
-    kernels `moe` (one of MOE_BACKENDS) and/or, per op package of OPS, "auto" or "torch"; None leaves a choice as
-    it is."""
+    kernels `moe` (one of MOE_BACKENDS), `batch_invariant` tiles (`batch_invariant_mode`; the products' half of
+    that mode is `kimik3.ops.matmul.batch_invariant`, which sets this) and/or, per op package of OPS, "auto" or
+    "torch"; None leaves a choice as it is."""
     if name is not None and name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if moe is not None and moe not in MOE_BACKENDS:
@@ -90,8 +99,8 @@ def use_backend(name: str | None = None, *, moe: str | None = None, **ops: str) 
         if op not in OPS or value not in BACKENDS:
             raise ValueError(f"use_backend({op}={value!r}): ops are {OPS}, each 'auto' or 'torch'")
     per_op = {**(_op_backends.get() or {}), **ops} if ops else None
-    tokens = [(var, var.set(value)) for var, value in ((_backend, name), (_moe_backend, moe), (_op_backends, per_op))
-              if value is not None]
+    tokens = [(var, var.set(value)) for var, value in ((_backend, name), (_moe_backend, moe), (_op_backends, per_op),
+                                                       (_batch_invariant, batch_invariant)) if value is not None]
     try:
         yield
     finally:

@@ -162,3 +162,45 @@ def test_seeded_samples_in_a_batch_are_the_solo_samples_in_bf16(demo):
             for p, q in zip(prompts, params)]
     together = Engine(demo[0], EngineConfig(max_num_seqs=4, max_model_len=512)).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in together] == solo
+
+
+# on CUDA the default kernels pick their sums by the step's size (cuBLAS, MLA's splits, the MoE tiles): batch
+# invariance there is the engine's `deterministic` mode (`kimik3.ops.matmul.batch_invariant`)
+GPU_DETERMINISTIC = dict(max_model_len=512, deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def alone_gpu(demo_gpu):
+    """The 16 prompts and each one's greedy tokens alone on CUDA (batch 1, no speculation, deterministic)."""
+    tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
+    prompts = [tok.encode(t) for t in SPEAKERS]
+    return prompts, [Engine(demo_gpu[0], EngineConfig(max_num_seqs=1, **GPU_DETERMINISTIC)).generate([p], q)[0]
+                     .outputs[0].token_ids for p, q in zip(prompts, MIXED)]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("method,k", [(None, 0), ("suffix", 1), ("suffix", 3), ("suffix", 7), ("draft", 1),
+                                      ("draft", 3), ("draft", 7)])
+def test_greedy_in_a_batch_of_16_is_greedy_alone_in_bf16_gpu(demo_gpu, alone_gpu, method, k):
+    """Batch invariance on CUDA in bf16 (`deterministic`): each of 16 mixed requests run together, without
+    speculation and with it, gets the greedy tokens it gets alone; the steps' row counts fall from 16 (or 16 x
+    (1 + k) verification rows) to 1 as the requests finish apart, through graphed and eager steps."""
+    prompts, want = alone_gpu
+    cfg = None if method is None else SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    engine = Engine(demo_gpu[0], EngineConfig(max_num_seqs=16, **GPU_DETERMINISTIC, speculative=cfg))
+    got = [o.outputs[0].token_ids for o in engine.generate(prompts, MIXED)]
+    assert [i for i in range(16) if got[i] != want[i]] == []
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_seeded_samples_in_a_batch_are_the_solo_samples_in_bf16_gpu(demo_gpu):
+    """Seeded draws in a batch equal the solo draws on CUDA (`deterministic`)."""
+    tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
+    prompts = [tok.encode(t) for t in ("ROMEO:", "JULIET:\nO Romeo,", "HAMLET:\nTo be", SPEAKERS[1])]
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_new_tokens=48) for i in range(4)]
+    solo = [Engine(demo_gpu[0], EngineConfig(max_num_seqs=1, **GPU_DETERMINISTIC)).generate([p], q)[0]
+            .outputs[0].token_ids for p, q in zip(prompts, params)]
+    together = Engine(demo_gpu[0], EngineConfig(max_num_seqs=4, **GPU_DETERMINISTIC)).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in together] == solo

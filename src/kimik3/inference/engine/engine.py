@@ -14,6 +14,7 @@ committed, or a token sampled: sampler.py) that the scheduler's update appends (
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -38,6 +39,7 @@ from kimik3.inference.engine.sampler import prompt_logprobs, sample
 from kimik3.inference.engine.scheduler import Chunk, Scheduler
 from kimik3.inference.engine.speculative import Speculator
 from kimik3.inference.sampling import SamplingParams
+from kimik3.ops.matmul import batch_invariant
 from kimik3.lora.serving import attach_adapters
 from kimik3.ops.kda import supports_checkpoints
 from kimik3.placement import tier_stats
@@ -89,7 +91,12 @@ class Engine:
         self.speculator = Speculator(cfg.speculative, lm) if cfg.speculative is not None else None
         if self.speculator is not None and sync_tokens is not None:
             raise ValueError("speculative decoding with sync_tokens (ranks generating together) is not supported")
-        with torch.no_grad():
+        # the mode is thread-local: entered around the construction (captures, warm-up) and each step; on the CPU
+        # the default kernels are batch-invariant already (kimik3.ops.rows), and the mode would only add its
+        # Python dispatch to every op
+        invariant = cfg.deterministic and self.device.type == "cuda"
+        self.mode = batch_invariant if invariant else contextlib.nullcontext
+        with torch.no_grad(), self.mode():
             spec = self.speculator
             self.runner = ModelRunner(lm, self.pool, -(-self.max_model_len // cfg.block_size), cfg.use_cuda_graphs,
                                       cfg.max_num_seqs, self.adapters, 1 + spec.k if spec is not None else 1,
@@ -198,6 +205,10 @@ class Engine:
         `on_launch()` is called once the step's forward is queued and before its results are waited for: a server
         hands the previous step's outputs to its front end then, so that formatting them overlaps the device, not
         this thread's preparation of the step (both need the GIL)."""
+        with self.mode():
+            return self._step(on_launch)
+
+    def _step(self, on_launch: Callable[[], None] | None) -> list[RequestOutput]:
         ended = [self._output(g) for g in self.aborted]
         self.aborted.clear()
         if self.speculator is not None:

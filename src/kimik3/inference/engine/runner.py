@@ -10,7 +10,6 @@ Legend: N sequences in the step, T packed tokens, M logit rows, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -213,23 +212,21 @@ class ModelRunner:
     def warmup(self, max_tokens: int) -> None:
         """Run each shape the engine meets once on the scratch rows, so nothing compiles or autotunes after it:
         a prefill chunk per power of two up to `max_tokens` (the expanded and the latent attention), alone and
-        with decode rows beside it (the graphs ran when they were captured). Meanwhile Humming's kernels for up to
-        `max_tokens` tokens compile in child processes (`compile_experts`, on a thread: no capture runs now) while
-        this thread compiles Triton's; then each runs once (`warm_experts`)."""
+        with decode rows beside it (the graphs ran when they were captured). Humming's kernels for up to
+        `max_tokens` tokens compile first, side by side (`compile_experts`): compiling them on a thread beside this
+        loop made the loop's own expert calls compile them again, one by one (84 s to ready on a new machine
+        against 64 s, bench_startup); then each runs once (`warm_experts`)."""
         scratch, Bs, n = self.pool.scratch_slot, self.pool.block_size, 1
-        with ThreadPoolExecutor(1) as experts:
-            tiles = experts.submit(compile_experts, self.model, max_tokens)  # steps carry at most max_tokens tokens
-            while n <= max_tokens:
-                for lens in ([n], [n, 1, 1]):
-                    tables = [[self.pool.scratch_block] * -(-m // Bs) for m in lens]
-                    step = build_step(slots=[scratch] * len(lens), cached=[0] * len(lens), lens=lens, tables=tables,
-                                      block_size=Bs, conv_window=self.pool.conv_window,
-                                      pad_block=self.pool.scratch_block, device=self.device)
-                    ids = torch.zeros(1, sum(lens), dtype=torch.long, device=self.device)
-                    self.model.run_step(ids, self.pool, step,
-                                        logits_at=torch.zeros(1, dtype=torch.long, device=self.device))
-                n *= 2
-            tiles.result()
+        compile_experts(self.model, max_tokens)  # steps carry at most max_tokens tokens
+        while n <= max_tokens:
+            for lens in ([n], [n, 1, 1]):
+                tables = [[self.pool.scratch_block] * -(-m // Bs) for m in lens]
+                step = build_step(slots=[scratch] * len(lens), cached=[0] * len(lens), lens=lens, tables=tables,
+                                  block_size=Bs, conv_window=self.pool.conv_window,
+                                  pad_block=self.pool.scratch_block, device=self.device)
+                ids = torch.zeros(1, sum(lens), dtype=torch.long, device=self.device)
+                self.model.run_step(ids, self.pool, step, logits_at=torch.zeros(1, dtype=torch.long, device=self.device))
+            n *= 2
         warm_experts(self.model, max_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

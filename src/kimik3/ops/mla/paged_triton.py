@@ -22,14 +22,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kimik3.ops.backend import batch_invariant_mode
 from kimik3.ops.mla.reference import query_rows
 from kimik3.ops.triton_utils import interpreting, round_to
 
-__all__ = ["launch_shape", "paged_latent_attention"]
+__all__ = ["launch_shape", "paged_latent_attention", "split_rule"]
 
 BLOCK_H = 16  # heads per program: tl.dot's minimum M on tensor cores; K3's 96 heads are 6 head blocks
 TARGET_PROGRAMS = 2 * 132  # stage-1 programs to fill an H200's 132 SMs twice over at decode (T = 1)
 MAX_SPLITS = 64  # stage 2 reduces over this many lanes, masked past the step's split count (a runtime argument)
+INVARIANT_SPLIT_KEYS = 256  # batch-invariant mode: keys a split covers at least (`split_rule`)
 NUM_WARPS, NUM_STAGES = 4, 2
 
 
@@ -37,8 +39,9 @@ NUM_WARPS, NUM_STAGES = 4, 2
 # that is 1, a multiple of 16 or neither): the split count (1 to 64, from the step's longest sequence) and the block
 # table's width (eager steps size it to their longest sequence) compiled new kernels mid-run on a new machine
 # (1-1.5 s steps as a constexpr, then a 0.78 s step from the specializations; issue 38)
-@triton.jit(do_not_specialize=["splits", "stride_tn"])
-def _split_kernel(q_ptr, pool_ptr, table_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_ptr, H, scale, splits,
+@triton.jit(do_not_specialize=["splits", "divisor", "min_blocks", "stride_tn"])
+def _split_kernel(q_ptr, pool_ptr, table_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_ptr, H, scale, splits, divisor,
+                  min_blocks,
                   stride_qt, stride_qh, stride_x, stride_tn, stride_ot, stride_oh, stride_os,
                   C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_H: tl.constexpr, BS: tl.constexpr, INTERPRET: tl.constexpr):
@@ -52,7 +55,7 @@ def _split_kernel(q_ptr, pool_ptr, table_ptr, seq_ptr, kv_len_ptr, o_ptr, lse_pt
     n = tl.load(seq_ptr + t)
     kv_len = tl.load(kv_len_ptr + t)
     blocks = tl.cdiv(kv_len, BS)
-    per_split = tl.cdiv(blocks, splits)
+    per_split = tl.maximum(tl.cdiv(blocks, divisor), min_blocks)
     b0 = split * per_split
     b1 = tl.minimum(b0 + per_split, blocks)
     q_rows = q_ptr + t * stride_qt + h[:, None] * stride_qh
@@ -115,6 +118,21 @@ def launch_shape(T: int, H: int, max_seq_len: int, block_size: int) -> tuple[int
     return T, head_blocks, max(1, min(want, MAX_SPLITS, triton.cdiv(max_seq_len, block_size)))
 
 
+def split_rule(T: int, H: int, max_seq_len: int, block_size: int) -> tuple[tuple[int, int, int], int, int]:
+    """(stage 1's grid, divisor, min_blocks): a query row with b live key blocks splits them into ranges of
+    max(ceil(b / divisor), min_blocks) blocks, one per program of its row; programs past its ranges write empty
+    partials. By default the grid's split count is the divisor (`launch_shape`: fill the GPU at small T). In
+    `batch_invariant_mode` a row's ranges follow its own length only (a divisor of MAX_SPLITS, at least
+    INVARIANT_SPLIT_KEYS keys a range), and the grid has enough splits for the step's longest row: the combine then
+    meets the same partials in the same lanes whatever else the step holds (empty lanes add exact zeros)."""
+    grid = launch_shape(T, H, max_seq_len, block_size)
+    if not batch_invariant_mode():
+        return grid, grid[2], 1
+    min_blocks = max(1, INVARIANT_SPLIT_KEYS // block_size)
+    splits = max(1, min(MAX_SPLITS, triton.cdiv(triton.cdiv(max_seq_len, block_size), min_blocks)))
+    return (grid[0], grid[1], splits), MAX_SPLITS, min_blocks
+
+
 def paged_latent_attention(q_THK: Tensor, latent_pool_XC: Tensor, kv_b_weight: Tensor, *, block_tables_NM: Tensor,
                            cu_seqlens_q: Tensor, seq_lens_N: Tensor, block_size: int, qk_nope_head_dim: int,
                            scale: float, max_seq_len: int | None = None) -> Tensor:
@@ -134,7 +152,7 @@ def paged_latent_attention(q_THK: Tensor, latent_pool_XC: Tensor, kv_b_weight: T
     q_lat_THC = torch.einsum("thn,hnc->thc", q_THK[..., :N], w_HXC[:, :N])
     q_cat_THX = torch.cat([q_lat_THC, q_THK[..., N:]], dim=-1).to(latent_pool_XC.dtype)
     seq_T, kv_len_T = query_rows(cu_seqlens_q, seq_lens_N, T)
-    grid = launch_shape(T, H, max_seq_len, block_size)
+    grid, divisor, min_blocks = split_rule(T, H, max_seq_len, block_size)
     splits = grid[2]
     o_THSC = torch.empty(T, H, splits, C, dtype=torch.float32, device=q_THK.device)
     lse_THS = torch.empty(T, H, splits, dtype=torch.float32, device=q_THK.device)
@@ -144,7 +162,8 @@ def paged_latent_attention(q_THK: Tensor, latent_pool_XC: Tensor, kv_b_weight: T
     BLOCK_C = triton.next_power_of_2(C)
     interp = interpreting()
     _split_kernel[grid](
-        q_cat_THX, latent_pool_XC, block_tables_NM, seq_T, kv_len_T, o_THSC, lse_THS, H, scale, splits,
+        q_cat_THX, latent_pool_XC, block_tables_NM, seq_T, kv_len_T, o_THSC, lse_THS, H, scale, splits, divisor,
+        min_blocks,
         q_cat_THX.stride(0), q_cat_THX.stride(1), latent_pool_XC.stride(0), block_tables_NM.stride(0),
         o_THSC.stride(0), o_THSC.stride(1), o_THSC.stride(2),
         C=C, R=R, BLOCK_C=BLOCK_C, BLOCK_R=triton.next_power_of_2(R), BLOCK_H=BLOCK_H, BS=block_size,

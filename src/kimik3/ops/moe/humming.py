@@ -38,13 +38,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kimik3.ops.backend import batch_invariant_mode
 from kimik3.ops.moe import RelaidWeights
 from kimik3.ops.moe.combine import slot_sum
 from kimik3.ops.situ.triton import situ
 from kimik3.ops.triton_utils import interpreting, round_to
 
 BLOCK = 2048  # SiTU elements per program
-COMPUTE = json.dumps({"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"})
+# Humming's compute config, by batch-invariant mode: its invariant kernels sum every row in one K order (K steps of
+# 32 products per warp, no stream-K) whatever tile the row count picks
+COMPUTE = {invariant: json.dumps({"use_batch_invariant": invariant, "use_f16_accum": False, "gemm_type": "indexed"})
+           for invariant in (False, True)}
 _CACHE = "_kimik3_humming"  # attribute on the w1 packed tensor holding (key, layers)
 
 
@@ -116,7 +120,8 @@ def _prepared(packed: tuple[Tensor, Tensor, Tensor], scales: tuple[Tensor, Tenso
 
 
 def _tuning(layer: Layer, rows: int, device: torch.device) -> tuple[str, int]:
-    """(Humming's heuristic tile config for `rows` routed rows, as JSON; its row block BM), without stream-K.
+    """(Humming's heuristic tile config for `rows` routed rows, as JSON; its row block BM), without stream-K; in
+    `batch_invariant_mode` its batch-invariant heuristics (a row's sums then follow no tile choice).
 
     Stream-K splits a tile's K loop over CTAs, and each CTA adds its partial sum into the bf16 output (its
     epilogue: a bf16 reduce-add, atomic beyond 3 slices): roundings the reference does not make, in an order
@@ -125,7 +130,8 @@ def _tuning(layer: Layer, rows: int, device: torch.device) -> tuple[str, int]:
     """
     from humming.tune import get_heuristics_config
 
-    t = get_heuristics_config(layer_config=layer.config, shape_m=rows, gemm_type="indexed", device=device)
+    t = get_heuristics_config(layer_config=layer.config, shape_m=rows, gemm_type="indexed", device=device,
+                              use_batch_invariant=batch_invariant_mode())
     t = dict(t, use_stream_k=False)  # a copy: Humming caches the dict it returns
     return json.dumps(t), int(t["block_shape"][0])
 
@@ -162,7 +168,10 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+# the row counts are not specialized on (Triton compiles a variant per integer that is 1, a multiple of 16 or
+# neither, and each variant of this sort took ~2.7 s to compile on a new machine): a variant per (BM, M_POW2) only,
+# which `compile_tiles` compiles ahead, beside Humming's kernels
+@triton.jit(do_not_specialize=["M", "cap", "num_blocks"])
 def _tables_kernel(idx_ptr, sorted_ids_ptr, expert_ids_ptr, padded_ptr, scratch_ptr, M, E, cap, num_blocks,
                    BM: tl.constexpr, M_POW2: tl.constexpr, BLOCK: tl.constexpr):
     """One program: `_tables_reference` for M <= M_POW2 routed rows.
@@ -228,7 +237,7 @@ def _gemm(layer: Layer, x: Tensor, out: Tensor, tables: tuple[Tensor, Tensor, Te
     w = layer.tensors
     humming_forward(layer.config, inputs=x, weight=w["weight"], weight_scale=w["weight_scale"],
                     weight_scale_2=w.get("weight_scale_2"), outputs=out, sorted_ids=tables[0], expert_ids=tables[1],
-                    num_tokens_padded=tables[2], top_k=top_k, compute_config=COMPUTE,
+                    num_tokens_padded=tables[2], top_k=top_k, compute_config=COMPUTE[batch_invariant_mode()],
                     tuning_config=tuning)
 
 
@@ -280,26 +289,43 @@ def routed_experts_relaid(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, rela
 
 
 def compile_tiles(relaid: RelaidWeights, counts: list[int], top_k: int, device: torch.device) -> int:
-    """Compile, side by side in threads, the Humming kernels calls of `counts` tokens run (each distinct (layer,
-    tile config) once); returns how many were asked for. Humming compiles a kernel in a child process (NVRTC) and
-    caches it on disk: serially the slice's 27 configs took 40 s of a new machine's warm-up (bench_startup), so an
-    engine compiles them here (`compile_relaid`) before `warm_relaid`'s calls, which then only load them."""
+    """Compile, side by side in threads, the kernels calls of `counts` tokens run: each distinct (layer, tile
+    config) of Humming's once, and each variant of the routing-table kernel (`_tables_kernel`); returns how many
+    were asked for. Humming compiles a kernel in a child process (NVRTC) and caches it on disk: serially the
+    slice's 27 configs took 40 s of a new machine's warm-up (bench_startup), and the table kernel's 9 variants
+    another 24 s; an engine compiles them here (`compile_relaid`) before any call, which then only loads them."""
     from concurrent.futures import ThreadPoolExecutor
 
     import humming.forward  # noqa: F401 (registers torch.ops.humming)
 
     guard = torch.empty(0, device=device)  # the op reads the device from a tensor
-    jobs = sorted({(layer.config.to_str(), _tuning(layer, n * top_k, device)[0])
-                   for n in counts for layer in (relaid.w13, relaid.w2)})
+    tiles, tables = set(), set()
+    for n in counts:
+        M = n * top_k
+        for layer in (relaid.w13, relaid.w2):
+            tuning, bm = _tuning(layer, M, device)
+            tiles.add((layer.config.to_str(), tuning))
+            if 0 < M <= FUSED_TABLES_MAX_ROWS:
+                tables.add((bm, max(16, triton.next_power_of_2(M))))
 
-    def prepare(job: tuple[str, str]) -> None:
-        torch.ops.humming.prepare_kernels(guard, job[0], COMPUTE, job[1])
+    compute = COMPUTE[batch_invariant_mode()]  # read here: the pool's threads do not inherit the context
 
+    def tile(job: tuple[str, str]) -> None:
+        torch.ops.humming.prepare_kernels(guard, job[0], compute, job[1])
+
+    def table(job: tuple[int, int]) -> None:  # compiled for the launch `_tables` makes (Triton's `warmup`: no launch)
+        bm, m_pow2 = job
+        i32 = torch.empty(m_pow2, dtype=torch.int32, device=device)
+        _tables_kernel.warmup(torch.empty(m_pow2, dtype=torch.int64, device=device), i32, i32, i32, i32, m_pow2,
+                              relaid.num_experts, m_pow2, 1, BM=bm, M_POW2=m_pow2, BLOCK=1024, num_warps=4,
+                              grid=(1,))
+
+    jobs = [(tile, j) for j in sorted(tiles)] + [(table, j) for j in sorted(tables)]
     if not jobs:
         return 0
-    prepare(jobs[0])  # alone first: whatever Humming sets up once per process (its launcher) is set up by one thread
+    jobs[0][0](jobs[0][1])  # alone first: whatever Humming sets up once per process is set up by one thread
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs) - 1, os.cpu_count() or 1))) as pool:
-        list(pool.map(prepare, jobs[1:]))
+        list(pool.map(lambda job: job[0](job[1]), jobs[1:]))
     return len(jobs)
 
 

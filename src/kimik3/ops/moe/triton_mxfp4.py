@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kimik3.ops.backend import batch_invariant_mode
 from kimik3.ops.moe.combine import slot_sum
 from kimik3.ops.mxfp4 import GROUP_SIZE
 from kimik3.ops.mxfp4.triton import decode_tile, decode_tile_bf16
@@ -245,9 +246,9 @@ def rows(z: Tensor, topk_idx: Tensor, packed: tuple[Tensor, Tensor, Tensor], sca
     """y [N * A, L]: row n * A + a is expert topk_idx[n, a]'s output for token n, rounded to z's dtype; rows whose
     expert is E or more are skipped (left as they were in `out`, written in place when given).
 
-    `rows_per_expert` picks the tiles (default: N * A / E, this call's own); a row's value depends on the tiles and
-    on nothing else in the call, so a cache of some experts' slots passes the full model's figure and gets the
-    rows the full model computes. `configs` forces both stages' tiles (benchmarks)."""
+    `rows_per_expert` picks the tiles (default: N * A / E, this call's own; 0 in `batch_invariant_mode`); a row's
+    value depends on the tiles and on nothing else in the call, so a cache of some experts' slots passes the full
+    model's figure and gets the rows the full model computes. `configs` forces both stages' tiles (benchmarks)."""
     (N, L), A = z.shape, topk_idx.shape[1]
     if z.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"routed_experts_mxfp4 (triton): z must be bf16 or fp16, got {z.dtype}")
@@ -260,7 +261,9 @@ def rows(z: Tensor, topk_idx: Tensor, packed: tuple[Tensor, Tensor, Tensor], sca
     y = torch.empty(M, L, dtype=z.dtype, device=z.device) if out is None else out
     if M == 0:
         return y
-    c1, c2 = configs or _pick(M / E if rows_per_expert is None else rows_per_expert)
+    if rows_per_expert is None:  # batch-invariant mode: one tiling (the decode's) whatever the row count
+        rows_per_expert = 0.0 if batch_invariant_mode() else M / E
+    c1, c2 = configs or _pick(rows_per_expert)
     interpret = interpreting()
     order, tiles, T = _route(topk_idx, E, c1[0])
     h = torch.empty(M, F, dtype=z.dtype, device=z.device)
