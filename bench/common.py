@@ -126,6 +126,8 @@ KERNEL_CATEGORIES = (
     ("attention (cuDNN / SDPA)", ("cudnn", "fmha", "flash", "attention", "sdpa")),
     ("KDA (fla)", ("kda", "gla", "delta_rule", "chunk_", "recompute_w_u", "rms_norm_gated", "fused_recurrent")),
     ("dense GEMMs (cuBLAS)", ("nvjet", "gemm", "cutlass", "splitkreduce", "xmma", "cublas")),
+    # the batch-invariant mode's products (kimik3.ops.matmul): the dense GEMMs' place in a deterministic step
+    ("dense GEMMs (ours, batch-invariant)", ("_matmul_kernel",)),
     ("copies, casts and fills", ("copy", "memcpy", "catarray", "memset", "fill")),
     ("torch elementwise and reductions", ("elementwise", "reduce", "softmax", "sort", "scan", "index", "gather",
                                           "scatter", "where")),

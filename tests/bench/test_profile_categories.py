@@ -41,6 +41,7 @@ SEEN = {  # a kernel name as the profiler printed it on the H200: its category
     "_split_kernel": "fused Triton (ours)",  # the paged MLA decode's two stages
     "_combine_kernel": "fused Triton (ours)",
     "_mxfp4_decode_kernel": "MXFP4 decode (transient expert weights)",
+    "_matmul_kernel": "dense GEMMs (ours, batch-invariant)",  # kimik3.ops.matmul, the deterministic mode's products
     "some_new_kernel": "other",
 }
 PROBE = """

@@ -95,6 +95,19 @@ def test_commands_differ_only_in_their_defaults():
         assert engine_config(args, base) == EngineConfig(**{**vars(base), "max_num_seqs": 5, "max_model_len": 77})
     assert p.parse_args(["eval", "--tasks", "t", "--batch-size", "4"]).max_num_seqs == 4  # lm-eval's spelling
     assert engine_config(p.parse_args(["serve", "--no-warmup"]), EngineConfig(warmup=True)).warmup is False
+    for argv in (["generate", "--prompt", "x"], ["chat"], ["serve"], ["eval", "--tasks", "t"]):
+        assert engine_config(p.parse_args([*argv, "--deterministic"]), EngineConfig()).deterministic is True
+        assert engine_config(p.parse_args([*argv, "--no-deterministic"]), EngineConfig()).deterministic is False
+
+
+def test_deterministic_on_the_cpu_prints_the_same_text(capsys):
+    """--deterministic on the CPU (where the default kernels are batch-invariant already) changes nothing."""
+    outs = []
+    for extra in ([], ["--deterministic"]):
+        rc, out, err = run(["generate", *ROMEO, "--max-new-tokens", "12", "--device", "cpu", *extra], capsys)
+        assert rc == 0, err
+        outs.append(out)
+    assert outs[0] == outs[1] and outs[0].strip()
 
 
 def test_speculative_rules_are_the_configs_with_the_flags_names(capsys):

@@ -29,6 +29,7 @@ The first call at each routed-row count also picks Humming's tiles (its heuristi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import NamedTuple
@@ -128,10 +129,19 @@ def _tuning(layer: Layer, rows: int, device: torch.device) -> tuple[str, int]:
     that can vary run to run: ten times the reference error with it, for 5% less time (BENCHMARKS.md,
     "Measurements behind code choices").
     """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _tuning_of(layer.config, rows, index, batch_invariant_mode())
+
+
+# kept for the process: Humming's own cache holds 1,024 entries, and an engine's warm-up asks for every row count
+# of up to max_num_batched_tokens tokens (2 x 2,048 at serve's defaults) three times (`tiling_token_counts` for
+# the compiles and the warm calls, then the calls), so with its cache alone each pass recomputed every one
+@functools.cache
+def _tuning_of(config, rows: int, device_index: int, invariant: bool) -> tuple[str, int]:
     from humming.tune import get_heuristics_config
 
-    t = get_heuristics_config(layer_config=layer.config, shape_m=rows, gemm_type="indexed", device=device,
-                              use_batch_invariant=batch_invariant_mode())
+    t = get_heuristics_config(layer_config=config, shape_m=rows, gemm_type="indexed", device=device_index,
+                              use_batch_invariant=invariant)
     t = dict(t, use_stream_k=False)  # a copy: Humming caches the dict it returns
     return json.dumps(t), int(t["block_shape"][0])
 
