@@ -70,6 +70,25 @@ def test_kernel_rows_do_not_depend_on_the_row_count(fast, dtype):
         assert torch.equal(fast.matmul(a[rows], w.T), full[rows])
 
 
+def test_split_k_follows_the_weight_shape_only(fast):
+    """K split into S ranges (S from N and K alone: more for narrow weights, at least MIN_STEPS steps a range), the
+    partials added in split order: near the reference, each row the same bits at any row count, batched too."""
+    assert fast.splits(7168, 12288) == 3 and fast.splits(576, 7168) == 28 and fast.splits(163840, 7168) == 1
+    assert fast.splits(96, 130) == 1 and fast.splits(96, 1100) == 5
+    for dtype, out_dtype in ((torch.bfloat16, None), (torch.bfloat16, torch.float32), (torch.float32, None)):
+        a, w = _rand(70, 1100, dtype=dtype, seed=6), _rand(96, 1100, dtype=dtype, seed=7)
+        full = fast.matmul(a, w.T, out_dtype)
+        want = reference.matmul(a, w.T, out_dtype)
+        assert full.dtype == want.dtype and rel_err(full.float(), want.float()) < TOL[want.dtype]
+        for rows in (slice(0, 1), slice(9, 12), slice(5, 70)):
+            assert torch.equal(fast.matmul(a[rows], w.T, out_dtype), full[rows])
+    a3, b3 = _rand(2, 5, 600, dtype=torch.bfloat16, seed=8), _rand(2, 600, 40, dtype=torch.bfloat16, seed=9)
+    assert fast.splits(40, 600) == 3
+    out = fast.matmul(a3, b3)
+    assert rel_err(out.float(), reference.matmul(a3, b3).float()) < 2e-2
+    assert torch.equal(fast.matmul(a3[:, 2:3], b3), out[:, 2:3])
+
+
 def test_mode_is_scoped_to_its_thread_and_routes_nothing_on_the_cpu():
     a, w = _rand(6, 32, dtype=torch.bfloat16), _rand(16, 32, dtype=torch.bfloat16, seed=4)
     outside = F.linear(a, w)
