@@ -39,9 +39,9 @@ from kimik3.inference.engine.sampler import prompt_logprobs, sample
 from kimik3.inference.engine.scheduler import Chunk, Scheduler
 from kimik3.inference.engine.speculative import Speculator
 from kimik3.inference.sampling import SamplingParams
-from kimik3.ops.matmul import batch_invariant
 from kimik3.lora.serving import attach_adapters
 from kimik3.ops.kda import supports_checkpoints
+from kimik3.ops.matmul import batch_invariant
 from kimik3.placement import tier_stats
 from kimik3.tokenizer.stops import StopDecoder
 

@@ -213,9 +213,9 @@ class ModelRunner:
         """Run each shape the engine meets once on the scratch rows, so nothing compiles or autotunes after it:
         a prefill chunk per power of two up to `max_tokens` (the expanded and the latent attention), alone and
         with decode rows beside it (the graphs ran when they were captured). Humming's kernels for up to
-        `max_tokens` tokens compile first, side by side (`compile_experts`): compiling them on a thread beside this
-        loop made the loop's own expert calls compile them again, one by one (84 s to ready on a new machine
-        against 64 s, bench_startup); then each runs once (`warm_experts`)."""
+        `max_tokens` tokens compile first, side by side (`compile_experts`): on a thread beside this loop, the loop's
+        own expert calls met kernels not compiled yet and compiled them one by one (bench_startup on new machines:
+        ready after 84 s that way, 76 s this way); then each runs once (`warm_experts`)."""
         scratch, Bs, n = self.pool.scratch_slot, self.pool.block_size, 1
         compile_experts(self.model, max_tokens)  # steps carry at most max_tokens tokens
         while n <= max_tokens:
@@ -225,7 +225,8 @@ class ModelRunner:
                                   block_size=Bs, conv_window=self.pool.conv_window,
                                   pad_block=self.pool.scratch_block, device=self.device)
                 ids = torch.zeros(1, sum(lens), dtype=torch.long, device=self.device)
-                self.model.run_step(ids, self.pool, step, logits_at=torch.zeros(1, dtype=torch.long, device=self.device))
+                at = torch.zeros(1, dtype=torch.long, device=self.device)
+                self.model.run_step(ids, self.pool, step, logits_at=at)
             n *= 2
         warm_experts(self.model, max_tokens)
         if self.device.type == "cuda":

@@ -41,12 +41,13 @@ def splits(N: int, K: int) -> int:
     return max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(N, BN)), triton.cdiv(K, BK * MIN_STEPS)))
 
 
-# the row count and the batch strides (which follow it) are not specialized on: Triton would compile a variant per
-# value that is 1, a multiple of 16 or neither, mid-run, as steps of new sizes arrive
-@triton.jit(do_not_specialize=["M", "stride_ab", "stride_bb", "stride_cb", "stride_cs"])
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, chunk, stride_ab, stride_am, stride_ak, stride_bb, stride_bk,
-                   stride_bn, stride_cb, stride_cs, stride_cm, stride_cn, S: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+# the row count, the batch strides (which follow it) and the split (which follows the weight) are not specialized
+# on: Triton would compile a variant per value that is 1, a multiple of 16 or neither, mid-run, as steps of new
+# sizes arrive
+@triton.jit(do_not_specialize=["M", "S", "chunk", "stride_ab", "stride_bb", "stride_cb", "stride_cs"])
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, S, chunk, stride_ab, stride_am, stride_ak, stride_bb, stride_bk,
+                   stride_bn, stride_cb, stride_cs, stride_cm, stride_cn, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """c[z, s] = a[z][:, K range s] @ b[z][K range s, :] (K range s = [s * chunk, (s + 1) * chunk)), in fp32; with
     S == 1 the product itself, rounded to c's dtype."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -72,8 +73,8 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, chunk, stride_ab, stride_am, st
     tl.store(c, round_to(acc, c_ptr.dtype.element_ty, INTERPRET), mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["MN", "stride_cb"])
-def _sum_splits_kernel(w_ptr, c_ptr, MN, N, stride_cb, stride_cm, stride_cn, S: tl.constexpr, BLOCK: tl.constexpr,
+@triton.jit(do_not_specialize=["MN", "S", "stride_cb"])
+def _sum_splits_kernel(w_ptr, c_ptr, MN, N, S, stride_cb, stride_cm, stride_cn, BLOCK: tl.constexpr,
                        INTERPRET: tl.constexpr):
     """c[z] = the S fp32 partials of workspace w [B, S, M, N] added in split order, rounded once."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -108,10 +109,10 @@ def matmul(a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor
     w = c if S == 1 else torch.empty(Bt, S, M, N, dtype=torch.float32, device=a.device)
     stride_wb, stride_ws, stride_wm, stride_wn = (c.stride(0), 0, *c.stride()[1:]) if S == 1 else w.stride()
     _matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), Bt * S)](
-        a3, b3, w, M, N, K, chunk, *a3.stride(), *b3.stride(), stride_wb, stride_ws, stride_wm, stride_wn, S=S,
+        a3, b3, w, M, N, K, S, chunk, *a3.stride(), *b3.stride(), stride_wb, stride_ws, stride_wm, stride_wn,
         BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, INTERPRET=interpret, num_warps=NUM_WARPS,
         num_stages=NUM_STAGES)
     if S > 1:
-        _sum_splits_kernel[(triton.cdiv(M * N, BLOCK), Bt)](w, c, M * N, N, *c.stride(), S=S, BLOCK=BLOCK,
+        _sum_splits_kernel[(triton.cdiv(M * N, BLOCK), Bt)](w, c, M * N, N, S, *c.stride(), BLOCK=BLOCK,
                                                             INTERPRET=interpret, num_warps=4)
     return c if batched else c[0]
