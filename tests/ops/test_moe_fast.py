@@ -135,6 +135,27 @@ def test_triton_mxfp4_interpreter_fp16_and_many_rows_per_expert():
 
 
 @needs_interpreter
+def test_triton_mxfp4_tiles_in_batch_invariant_mode(monkeypatch):
+    """In `batch_invariant_mode` the tiles are the decode's whatever the rows per expert, given (a tiered layer
+    passes the all-resident model's figure) or not; outside it they follow the figure."""
+    from kimik3.ops.backend import use_backend
+    from kimik3.ops.moe import triton_mxfp4
+
+    seen = []
+    monkeypatch.setattr(triton_mxfp4, "_pick", lambda r: seen.append(r) or (CONFIGS["bm16"], CONFIGS["bm16"]))
+    gen = torch.Generator().manual_seed(4)
+    N, A, E, L, F = 40, 2, 3, 64, 64
+    z = torch.randn(N, L, generator=gen).bfloat16()
+    idx, _ = routing(N, A, E, gen, empty=())
+    packed, scales = mx_experts(E, L, F, gen)
+    for rows_per_expert in (None, 30.0):
+        triton_mxfp4.rows(z, idx, packed, scales, BETA, LINEAR_BETA, rows_per_expert)
+        with use_backend(batch_invariant=True):
+            triton_mxfp4.rows(z, idx, packed, scales, BETA, LINEAR_BETA, rows_per_expert)
+    assert seen == [N * A / E, 0.0, 30.0, 0.0]
+
+
+@needs_interpreter
 def test_route_orders_rows_and_tiles_cover_each_once():
     from kimik3.ops.moe import triton_mxfp4
 

@@ -206,3 +206,20 @@ def test_seeded_samples_in_a_batch_are_the_solo_samples_in_bf16_gpu(demo_gpu):
             .outputs[0].token_ids for p, q in zip(prompts, params)]
     together = Engine(demo_gpu[0], EngineConfig(max_num_seqs=4, **GPU_DETERMINISTIC)).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in together] == solo
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("method,k", [("suffix", 7), ("draft", 3)])
+def test_verification_graphs_past_16_rows_gpu(demo_gpu, method, k):
+    """32 requests at once (`deterministic`): verification steps of up to 32 rows replay graphs of 32 (the buckets
+    whose saved KDA inputs fit `graphs.VERIFY_BUFFER_BYTES`), and greedy with speculation equals greedy without it."""
+    tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
+    prompts = [tok.encode(t) for t in SPEAKERS * 2]
+    params = MIXED + [SamplingParams(temperature=0, max_new_tokens=20 + i, ignore_eos=True) for i in range(16)]
+    want = Engine(demo_gpu[0], EngineConfig(max_num_seqs=32, **GPU_DETERMINISTIC)).generate(prompts, params)
+    cfg = SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    engine = Engine(demo_gpu[0], EngineConfig(max_num_seqs=32, **GPU_DETERMINISTIC, speculative=cfg))
+    assert 32 in engine.runner.verify_sizes  # a 32-row verification graph
+    got = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

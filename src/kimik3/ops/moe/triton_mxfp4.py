@@ -246,8 +246,8 @@ def rows(z: Tensor, topk_idx: Tensor, packed: tuple[Tensor, Tensor, Tensor], sca
     """y [N * A, L]: row n * A + a is expert topk_idx[n, a]'s output for token n, rounded to z's dtype; rows whose
     expert is E or more are skipped (left as they were in `out`, written in place when given).
 
-    `rows_per_expert` picks the tiles (default: N * A / E, this call's own; 0 in `batch_invariant_mode`); a row's
-    value depends on the tiles and on nothing else in the call, so a cache of some experts' slots passes the full
+    `rows_per_expert` picks the tiles (default: N * A / E, this call's own; always 0 in `batch_invariant_mode`); a
+    row's value depends on the tiles and on nothing else in the call, so a cache of some experts' slots passes the full
     model's figure and gets the rows the full model computes. `configs` forces both stages' tiles (benchmarks)."""
     (N, L), A = z.shape, topk_idx.shape[1]
     if z.dtype not in (torch.bfloat16, torch.float16):
@@ -261,8 +261,10 @@ def rows(z: Tensor, topk_idx: Tensor, packed: tuple[Tensor, Tensor, Tensor], sca
     y = torch.empty(M, L, dtype=z.dtype, device=z.device) if out is None else out
     if M == 0:
         return y
-    if rows_per_expert is None:  # batch-invariant mode: one tiling (the decode's) whatever the row count
-        rows_per_expert = 0.0 if batch_invariant_mode() else M / E
+    if batch_invariant_mode():  # one tiling (the decode's) whatever the row count, a tiered layer's calls too
+        rows_per_expert = 0.0
+    elif rows_per_expert is None:
+        rows_per_expert = M / E
     c1, c2 = configs or _pick(rows_per_expert)
     interpret = interpreting()
     order, tiles, T = _route(topk_idx, E, c1[0])
