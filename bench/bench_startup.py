@@ -81,6 +81,44 @@ def trace_compiles(path: str) -> None:
         cls._compile = classmethod(timed)
 
 
+def trace_phases(path: str) -> None:
+    """Append the engine's start-up phases to `path` as events of kind "phase" (`at`: their end): each graph
+    capture, the warm-up, Humming's tile enumeration and compiles, the expert warm calls. Where a start goes
+    when nothing compiles (a restart's 18.5 s between the first decode graph and the warm-up's compiles)."""
+    from kimik3.inference.engine import graphs, runner
+    from kimik3.ops.moe import humming
+
+    def timed(owner, attr: str, name: str) -> None:
+        inner = getattr(owner, attr)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.monotonic()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                with open(path, "a") as f:
+                    f.write(json.dumps({"kind": "phase", "name": name, "s": round(time.monotonic() - t0, 4),
+                                        "at": time.monotonic()}) + "\n")
+
+        setattr(owner, attr, wrapper)
+
+    for owner, attr, name in ((graphs.StepGraph, "__init__", "capture a step graph"),
+                              (graphs.CommitGraph, "__init__", "capture a commit graph"),
+                              (runner.ModelRunner, "__init__", "runner (graphs)"),
+                              (runner.ModelRunner, "warmup", "warm-up"),
+                              (runner, "compile_experts", "compile experts"),
+                              (runner, "warm_experts", "warm experts"),
+                              (humming, "tiling_token_counts", "enumerate Humming tiles"),
+                              (humming, "compile_tiles", "compile tiles")):
+        timed(owner, attr, name)
+
+
+def phases(events: list[dict], t0: float) -> list[str]:
+    """The "phase" events as 'name: start-end s' from `t0` (the spawn), in order of their start."""
+    mine = sorted((e["at"] - e["s"] - t0, e["at"] - t0, e["name"]) for e in events if e["kind"] == "phase")
+    return [f"{name}: {a:.1f}-{b:.1f} s" for a, b, name in mine]
+
+
 def read_events(path: str) -> list[dict]:
     p = Path(path)
     return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
@@ -88,6 +126,7 @@ def read_events(path: str) -> list[dict]:
 
 def summary(events: list[dict]) -> dict:
     """Counts and seconds per kind, and the five slowest compiles."""
+    events = [e for e in events if e["kind"] != "phase"]
     out = {}
     for kind in ("triton", "tune", "humming"):
         mine = [e for e in events if e["kind"] == kind]
@@ -170,7 +209,8 @@ def serve_child(smoke: bool) -> dict:
         for i, (t, dt, seqs, tokens) in enumerate(steps):
             hist[next((b for b, edge in enumerate(BUCKETS) if dt <= edge), len(BUCKETS))] += 1
             if dt > 0.25:  # the over-0.5 s steps the target counts, and the ones near it
-                inside = [f"{e['kind']} {e['name']} {e['s']:.2f}" for e in events if t <= e["at"] <= t + dt]
+                inside = [f"{e['kind']} {e['name']} {e['s']:.2f}" for e in events
+                          if t <= e["at"] <= t + dt and e["kind"] != "phase"]
                 slow.append({"step": i, "s": round(dt, 3), "sequences": seqs, "tokens": tokens, "compiles": inside})
         out[name] = {"tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall, "steps": len(steps),
                      "longest_s": max(dt for _, dt, _, _ in steps), "histogram": hist, "slow": slow}
@@ -188,6 +228,7 @@ def serve_row(smoke: bool, events: str) -> dict:
     ready_at = child.pop("ready_at")
     child["ready_s"] = ready_at - t0
     child["compiles before ready"] = summary([e for e in read_events(events) if e["at"] <= ready_at])
+    child["phases"] = phases(read_events(events), t0)
     return child
 
 
@@ -197,6 +238,7 @@ def child_main(argv: list[str]) -> int:
         from kimik3.cli import main
 
         return main(argv)
+    trace_phases(os.environ[EVENTS])
     print(json.dumps(serve_child(smoke="--smoke" in argv)))
     return 0
 
