@@ -150,3 +150,15 @@ def test_routes_gpu():
         logits = router_logits(x, w)
         assert logits.dtype == torch.float32 and torch.equal(logits, matmul(x, w.T, torch.float32))
         assert torch.equal(router_logits(x[5:6], w), logits[5:6])
+
+
+def test_reference_rows_do_not_depend_on_the_row_count():
+    """The reference keeps the contract on the CPU too (MKL's fp32 GEMM alone changes a row's sums with the row
+    count: `kimik3.ops.rows`), 2-d and batched."""
+    a, w = _rand(70, 300, dtype=torch.bfloat16, seed=10), _rand(50, 300, dtype=torch.bfloat16, seed=11)
+    full = reference.matmul(a, w.T, torch.float32)
+    for rows in (slice(0, 1), slice(3, 5), slice(20, 37)):
+        assert torch.equal(reference.matmul(a[rows], w.T, torch.float32), full[rows])
+    a3, b3 = _rand(3, 40, 64, seed=12), _rand(3, 64, 24, seed=13)
+    full3 = reference.matmul(a3, b3)
+    assert torch.equal(reference.matmul(a3[:, 7:8], b3), full3[:, 7:8])

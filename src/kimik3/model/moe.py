@@ -200,8 +200,8 @@ def compile_experts(model: nn.Module, max_tokens: int) -> int:
 
 
 def warm_experts(model: nn.Module, max_tokens: int) -> int:
-    """Run the routed-expert kernels every step of up to `max_tokens` tokens meets once each (Humming's tile
-    configs, `kimik3.ops.moe.warm_relaid`; `compile_experts` first compiles them side by side); returns the calls
-    made (0: no experts in Humming's layout, nothing compiles per row count)."""
+    """Compile side by side, then run once each, the routed-expert kernels every step of up to `max_tokens` tokens
+    meets (Humming's tile configs, `kimik3.ops.moe.warm_relaid`); returns the calls made (0: no experts in
+    Humming's layout, nothing compiles per row count)."""
     return sum(warm_relaid(r, max_tokens, top_k, dtype, device) for r, top_k, dtype, device in _relaid(model))
 

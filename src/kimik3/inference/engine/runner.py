@@ -213,11 +213,11 @@ class ModelRunner:
         """Run each shape the engine meets once on the scratch rows, so nothing compiles or autotunes after it:
         a prefill chunk per power of two up to `max_tokens` (the expanded and the latent attention), alone and
         with decode rows beside it (the graphs ran when they were captured). Humming's kernels for up to
-        `max_tokens` tokens compile first, side by side (`compile_experts`): on a thread beside this loop, the loop's
-        own expert calls met kernels not compiled yet and compiled them one by one (bench_startup on new machines:
-        ready after 84 s that way, 76 s this way); then each runs once (`warm_experts`)."""
+        `max_tokens` tokens first, compiled side by side and run once each (`warm_experts`): compiled on a thread
+        beside this loop instead, the loop's own expert calls met kernels not compiled yet and compiled them one by
+        one (bench_startup on new machines: ready after 84 s that way, 76 s compiled before the loop)."""
         scratch, Bs, n = self.pool.scratch_slot, self.pool.block_size, 1
-        compile_experts(self.model, max_tokens)  # steps carry at most max_tokens tokens
+        warm_experts(self.model, max_tokens)  # steps carry at most max_tokens tokens
         while n <= max_tokens:
             for lens in ([n], [n, 1, 1]):
                 tables = [[self.pool.scratch_block] * -(-m // Bs) for m in lens]
@@ -228,7 +228,6 @@ class ModelRunner:
                 at = torch.zeros(1, dtype=torch.long, device=self.device)
                 self.model.run_step(ids, self.pool, step, logits_at=at)
             n *= 2
-        warm_experts(self.model, max_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -44,7 +44,7 @@ from kimik3.ops.backend import MOE_BACKENDS, has_triton, moe_backend, use_fast
 from kimik3.ops.moe import reference
 
 __all__ = ["DenseWeights", "ExpertWeights", "PackedWeights", "RelaidWeights", "routed_experts", "experts_backend",
-           "warm_relaid", "MOE_BACKENDS"]
+           "compile_relaid", "warm_relaid", "MOE_BACKENDS"]
 
 Triple = tuple[Tensor, Tensor, Tensor]  # (w1, w3, w2)
 
@@ -153,14 +153,15 @@ def compile_relaid(relaid: RelaidWeights, max_tokens: int, top_k: int, device: t
 
 def warm_relaid(relaid: RelaidWeights, max_tokens: int, top_k: int, dtype: torch.dtype,
                 device: torch.device) -> int:
-    """Run `routed_experts` on these experts once at each token count up to `max_tokens` that meets a new Humming
-    kernel (`humming.tiling_token_counts`), on zero inputs, so every kernel those calls meet is compiled and loaded;
-    returns the number of calls. An engine runs this in its warm-up, after `compile_relaid` compiled the kernels
-    side by side (alone, each call compiles its own, one after another): otherwise a step whose routed-row count
-    falls in a new tile config waits seconds for a JIT compile."""
+    """Compile side by side every Humming kernel `routed_experts` on these experts meets for calls of up to
+    `max_tokens` tokens (`humming.compile_tiles`), then run it once at each token count that meets a new one
+    (`humming.tiling_token_counts`), on zero inputs, so each is loaded; returns the number of calls. An engine runs
+    this in its warm-up: otherwise a step whose routed-row count falls in a new tile config waits seconds for a JIT
+    compile (and calls alone compile their kernels one after another)."""
     from kimik3.ops.moe import humming
 
     counts = humming.tiling_token_counts(relaid, max_tokens, top_k, device)
+    humming.compile_tiles(relaid, counts, top_k, device)
     L, E = relaid.w2.config.shape_n, relaid.num_experts
     for n in counts:
         z = torch.zeros(n, L, dtype=dtype, device=device)

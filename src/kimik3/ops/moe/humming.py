@@ -303,7 +303,8 @@ def compile_tiles(relaid: RelaidWeights, counts: list[int], top_k: int, device: 
     config) of Humming's once, and each variant of the routing-table kernel (`_tables_kernel`); returns how many
     were asked for. Humming compiles a kernel in a child process (NVRTC) and caches it on disk: serially the
     slice's 27 configs took 40 s of a new machine's warm-up (bench_startup), and the table kernel's 9 variants
-    another 24 s; an engine compiles them here (`compile_relaid`) before any call, which then only loads them."""
+    another 24 s; an engine compiles them here (`compile_relaid`, `warm_relaid`) before any call, which then only
+    loads them."""
     from concurrent.futures import ThreadPoolExecutor
 
     import humming.forward  # noqa: F401 (registers torch.ops.humming)
