@@ -7,6 +7,7 @@ path against the reference at K3's widths, CUDA-graph replay against eager, and 
 """
 
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -375,6 +376,34 @@ def test_tiling_token_counts_meet_every_tile_config(monkeypatch):
     assert {key(n) for n in counts} == {key(n) for n in range(1, 101)}
     assert len({key(n) for n in counts}) == len(counts)
     assert all(key(n) not in {key(m) for m in range(1, n)} for n in counts)  # the smallest count of each
+
+
+@gpu
+@requires_cuda
+@needs_humming
+@pytest.mark.parametrize("invariant", [False, True])
+def test_tile_decisions_by_row_sample_are_humming_own_gpu(invariant):
+    """`_tuning` decides once per Humming row sample (`_row_sample`): at K3's widths, for row counts across a
+    serve warm-up's range (1 to 4,096 tokens x 16 routed rows), each decision is the one Humming's heuristics make
+    for that exact count."""
+    from humming.tune import get_heuristics_config
+
+    from kimik3.ops.moe import humming
+
+    gen = torch.Generator().manual_seed(5)
+    packed, scales = mx_experts(K3_DIMS["E"], K3_DIMS["L"], K3_DIMS["F"], gen, device="cuda")
+    relaid = humming.relayout(packed, scales)
+    dev = torch.device("cuda")
+    rows = sorted({1, 7, 8, 9, 1023, 1024, 1025, 2049, 4097, 16385, 65535, 65536}
+                  | set(torch.randint(1, 4096 * 16 + 1, (150,), generator=gen).tolist()))
+    with use_backend(batch_invariant=invariant):
+        for layer in (relaid.w13, relaid.w2):
+            for m in rows:
+                want = dict(get_heuristics_config(layer_config=layer.config, shape_m=m, gemm_type="indexed",
+                                                  device=dev.index or 0, use_batch_invariant=invariant),
+                            use_stream_k=False)
+                tuning, bm = humming._tuning(layer, m, dev)
+                assert json.loads(tuning) == want and bm == want["block_shape"][0], m
 
 
 @gpu

@@ -130,7 +130,24 @@ def _tuning(layer: Layer, rows: int, device: torch.device) -> tuple[str, int]:
     "Measurements behind code choices").
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _tuning_of(layer.config, rows, index, batch_invariant_mode())
+    return _tuning_of(layer.config, _row_sample(layer.config, rows, index), index, batch_invariant_mode())
+
+
+@functools.cache
+def _heuristics(device_index: int):
+    from humming.tune import get_heuristics_class
+
+    return get_heuristics_class(device=device_index)
+
+
+def _row_sample(config, rows: int, device_index: int) -> int:
+    """The row count Humming's heuristics decide by for `rows`: on sm_90 (H100, H200, H20) they round it up to a
+    sample first (`get_shape_m_sample`: steps of 8 rows up to 1,024, then 16, 32, 64, 128), and decide on that
+    alone, so one decision serves every count of a sample (an engine's warm-up asks for 4,096 token counts x 16
+    routed rows: 16 s of a start enumerating them, ~2 ms a decision, bench_startup; ~770 samples). Elsewhere the
+    count itself (other GPUs' heuristics read it unrounded)."""
+    cls = _heuristics(device_index)
+    return cls.get_shape_m_sample(config, rows) if cls.sm_version == 90 else rows
 
 
 # kept for the process: Humming's own cache holds 1,024 entries, and an engine's warm-up asks for every row count
