@@ -14,6 +14,7 @@ compile (`trace_compiles`), so a slow step names what it waited for.
 
     PYTHONPATH=src:. python3 bench/bench_startup.py                    # device: tables + $OUT/bench_startup.json
     PYTHONPATH=src:. python3 bench/bench_startup.py --rows generate    # one row
+    ... --runs first                   # without the restart (runs joined by "+")
     PYTHONPATH=src:. python3 bench/bench_startup.py --smoke            # CPU: both rows at toy sizes
 """
 
@@ -243,7 +244,7 @@ def child_main(argv: list[str]) -> int:
     return 0
 
 
-def main(smoke: bool, rows: tuple[str, ...]) -> int:
+def main(smoke: bool, rows: tuple[str, ...], runs: tuple[str, ...] = ("first", "restart")) -> int:
     from bench.common import byte_compile, environment, table, write_json
 
     out = Path(os.environ.get("OUT", "out/bench"))
@@ -252,7 +253,7 @@ def main(smoke: bool, rows: tuple[str, ...]) -> int:
     if not smoke:
         results["byte_compile_s"] = byte_compile()
     for row in rows:
-        for run in ("first", "restart"):
+        for run in runs:
             key = f"{row} {run}"
             events = str(out / f"startup_events_{row}_{run}.jsonl")  # each row's own: a new machine's list stays
             results[key] = r = (generate_row if row == "generate" else serve_row)(smoke, events)
@@ -264,14 +265,14 @@ def main(smoke: bool, rows: tuple[str, ...]) -> int:
               [[run, f"{r['first_token_s']:.1f}", f"{r['total_s']:.1f}",
                 f"{r['compiles']['triton']['n']}, {r['compiles']['triton']['s']}",
                 f"{r['compiles']['tune']['n']}, {r['compiles']['tune']['s']}"]
-               for run in ("first", "restart") for r in [results[f"generate {run}"]]])
+               for run in runs for r in [results[f"generate {run}"]]])
     if "serve" in rows:
         edges = [f"<={e}" for e in BUCKETS] + [f">{BUCKETS[-1]}"]
         table("slice at serve's defaults: ready, then a mixed workload (a new process each)",
               ["run", "ready s", "pass", "tok/s", "steps", "longest s", "histogram " + " ".join(edges)],
               [[run, f"{r['ready_s']:.1f}", p, f"{r[p]['tokens_per_s']:.0f}", r[p]["steps"],
                 f"{r[p]['longest_s']:.2f}", " ".join(map(str, r[p]["histogram"]))]
-               for run in ("first", "restart") for r in [results[f"serve {run}"]]
+               for run in runs for r in [results[f"serve {run}"]]
                for p in ("first pass", "second pass")])
     return 0
 
@@ -282,4 +283,5 @@ if __name__ == "__main__":
     which = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rows=")), "generate,serve")
     if "--rows" in sys.argv:
         which = sys.argv[sys.argv.index("--rows") + 1]
-    sys.exit(main("--smoke" in sys.argv, tuple(which.split(","))))
+    runs = sys.argv[sys.argv.index("--runs") + 1] if "--runs" in sys.argv else "first,restart"
+    sys.exit(main("--smoke" in sys.argv, tuple(which.split(",")), tuple(runs.replace("+", ",").split(","))))
