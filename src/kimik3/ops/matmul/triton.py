@@ -36,6 +36,7 @@ BK = 64  # the K step: with the split, what fixes a row's order of summation
 # tilings at 1, 8, 64 and 2,048 rows: bench_matmul's "same bits"; tests/ops/test_matmul.py crosses the boundary)
 TILES = ((64, 64, 64, 4, 4), (2**62, 128, 128, 8, 3))
 TARGET_PROGRAMS = 256  # programs a one-row product should have: about two an H200 SM
+SPLIT_TILE_N = 64  # the column tile `splits` counts programs in (the decode tile's): fixed, whatever tile runs
 MIN_STEPS = 4  # BK steps a split walks at least
 BLOCK = 1024  # workspace elements per program of the split sum
 
@@ -46,9 +47,9 @@ def tiling(M: int) -> tuple[int, int, int, int]:
 
 
 def splits(N: int, K: int) -> int:
-    """S, the splits of K for a [K, N] operand: enough programs at one row tile (64-column tiles x S ~ TARGET_PROGRAMS),
-    each walking at least MIN_STEPS steps of BK. A function of the weight's shape only, never of M."""
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(N, 64)), triton.cdiv(K, BK * MIN_STEPS)))
+    """S, the splits of K for a [K, N] operand: enough programs at one row tile (column tiles x S ~
+    TARGET_PROGRAMS), each walking at least MIN_STEPS steps of BK. A function of the weight's shape only, never of M."""
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(N, SPLIT_TILE_N)), triton.cdiv(K, BK * MIN_STEPS)))
 
 
 # the row count, the batch strides (which follow it) and the split (which follows the weight) are not specialized

@@ -144,8 +144,9 @@ def _row_sample(config, rows: int, device_index: int) -> int:
     """The row count Humming's heuristics decide by for `rows`: on sm_90 (H100, H200, H20) they round it up to a
     sample first (`get_shape_m_sample`: steps of 8 rows up to 1,024, then 16, 32, 64, 128), and decide on that
     alone, so one decision serves every count of a sample (an engine's warm-up asks for 4,096 token counts x 16
-    routed rows: 16 s of a start enumerating them, ~2 ms a decision, bench_startup; ~770 samples). Elsewhere the
-    count itself (other GPUs' heuristics read it unrounded)."""
+    routed rows: 16 s of a start enumerating them, ~2 ms a decision, bench_startup; ~770 samples). Read in
+    humming-kernels 0.1.20's source (the pinned version) and checked over every count a serve warm-up asks
+    (BENCHMARKS.md). Elsewhere the count itself (other GPUs' heuristics read it unrounded)."""
     cls = _heuristics(device_index)
     return cls.get_shape_m_sample(config, rows) if cls.sm_version == 90 else rows
 
