@@ -70,6 +70,14 @@ def test_kernel_rows_do_not_depend_on_the_row_count(fast, dtype):
         assert torch.equal(fast.matmul(a[rows], w.T), full[rows])
 
 
+def test_tile_follows_the_row_count_in_16_bit_only(fast):
+    """64 x 64 tiles up to 64 rows, 128 x 128 above (the K order is the same: the row tests above cross it);
+    fp32 inputs keep the first tile at every row count."""
+    assert fast.tiling(1, torch.bfloat16) == fast.tiling(64, torch.float16) == (64, 64, 4, 4)
+    assert fast.tiling(65, torch.bfloat16) == fast.tiling(8192, torch.bfloat16) == (128, 128, 8, 3)
+    assert fast.tiling(8192, torch.float32) == (64, 64, 4, 4)
+
+
 def test_split_k_follows_the_weight_shape_only(fast):
     """K split into S ranges (S from N and K alone: more for narrow weights, at least MIN_STEPS steps a range), the
     partials added in split order: near the reference, each row the same bits at any row count, batched too."""
