@@ -146,3 +146,15 @@ def test_engine_bench_compares_continuous_and_static_batching_pass_for_pass(tmp_
     assert mixed["fresh_ratio"] == mixed["fresh_tokens_per_s"] / mixed["static_fresh_tokens_per_s"]
     assert mixed["ratio"] == mixed["engine_tokens_per_s"] / mixed["static_tokens_per_s"]
     assert mixed["static_fresh_tokens_per_s"] != mixed["static_tokens_per_s"]  # two timed passes, not one reused
+
+
+def test_matmul_bench_records_a_decode_steps_products(tmp_path):
+    """bench_matmul times the products it recorded in one engine decode step (the toy model's linear layers and
+    MLA's absorbed products), each against torch's, beside a bytes floor."""
+    _run("bench.bench_matmul", tmp_path, "--smoke")
+    data = json.loads((tmp_path / "bench_matmul_smoke.json").read_text())
+    ops = {key[0] for key, _ in data["products"]}
+    assert {"aten.mm.default", "aten.bmm.default"} <= ops and all(n >= 1 for _, n in data["products"])
+    for M in (1, 64):
+        row = data[f"M={M}"]
+        assert row["cublas_ms"] > 0 and row["floor_ms"] > 0 and row["None"]["ms"] > 0
