@@ -7,7 +7,8 @@ Rows, all in one call:
             (1 - p^(k+1)) / (1 - p), k = 7: p = 0.5 and 0.72, 2.0 and 3.3): tokens/s at batch 1 and 8 vs no speculation
             (target: accepted length 3.3 at batch 1 >= 2.2x); then the same length from k = 3 drafts (p = 0.87: a
             verification step of 4 tokens reads fewer experts than one of 8) and from k = 7 with every token routed
-            to one expert set;
+            to one expert set; beside each fixed-k row the engine choosing k up to 7 itself ("chosen": the default
+            a user gets; issue 39's target is >= 90% of the best fixed k's bytes ceiling);
   copy      slice-12, suffix decoding on a copy workload (the output repeats part of the prompt, see
             `slice_rows`) at batch 1 (target >= 1.5x).
 
@@ -199,7 +200,8 @@ def demo_rows(s: dict, results: dict, rows: list) -> None:
     new, graphs = s["demo_new"], None
     base = [timed(lm, [p], new, graphs=graphs) for p in prompts]
     off = sum(b[1] for b in base) / len(base)
-    # k as a user gets it: `--speculative-method` without `--num-speculative-tokens` (SpeculativeConfig's default)
+    # k as a user gets it: `--speculative-method` without `--num-speculative-tokens` (SpeculativeConfig's default:
+    # up to 4, the engine choosing each step's)
     for name, cfg in (("draft", SpeculativeConfig("draft", str(DEMO_DRAFTER))),
                       ("suffix", SpeculativeConfig("suffix"))):
         runs = [timed(lm, [p], new, cfg, graphs) for p in prompts]
@@ -212,7 +214,7 @@ def demo_rows(s: dict, results: dict, rows: list) -> None:
 
 
 def fixed_point(model, prompts_of, proposer_of, ref: list[list[int]], new: int, k: int, graphs: bool,
-                max_passes: int) -> tuple[list[list[int]], int]:
+                max_passes: int, adaptive: bool = False) -> tuple[list[list[int]], int]:
     """The continuation a benchmark's proposer drafts from, made the speculative run's own greedy output: run on
     `prompts_of(ref)` with `proposer_of(ref)` (a fresh one each pass), make the output the reference, again, until
     the output is its reference or `max_passes` ran. On bf16 kernels a verification step's rows sum differently
@@ -220,7 +222,8 @@ def fixed_point(model, prompts_of, proposer_of, ref: list[list[int]], new: int, 
     paths are apart); a proposer drafting the other run's tokens then drafts nothing from there on. The passes
     agree on a longer prefix each time (the same drafts, rows and kernels up to where they first differ).
     Returns (that reference, passes)."""
-    engine = engine_for(model, prompts_of(ref), new, graphs, SpeculativeConfig(OracleProposer([], 0.0, 1), None, k))
+    engine = engine_for(model, prompts_of(ref), new, graphs,
+                        SpeculativeConfig(OracleProposer([], 0.0, 1), None, k, adaptive=adaptive))
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     for n in range(1, max_passes + 1):
         engine.speculator.proposer = proposer_of(ref)
@@ -262,19 +265,24 @@ def attention_off(model):
             proj.weight.copy_(w)
 
 
-def oracle_row(model, name: str, prompts, s: dict, p: float, results: dict, rows: list, exact: bool) -> None:
-    """One oracle row: the run without speculation, the oracle's fixed point, the timed run and its steps."""
+def oracle_row(model, name: str, prompts, s: dict, p: float, results: dict, rows: list, exact: bool,
+               adaptive: bool = False) -> None:
+    """One oracle row: the run without speculation, the oracle's fixed point, the timed run and its steps. k is
+    s["k"], or (`adaptive`) the engine's choice up to it each step: the row then reports the mean draft length and
+    the share of decode steps that drafted."""
     V, k, new, graphs = model.config.vocab_size, s["k"], s["new"], DEVICE.type == "cuda"
     ref, off, _ = timed(model, prompts, new, graphs=graphs)
     gaps = None if exact else top2_gaps(model, prompts, new, graphs)
     target, passes = fixed_point(model, lambda _: prompts, lambda r: OracleProposer(
-        [q + t for q, t in zip(prompts, r)], p, V, seed=1), ref, new, k, graphs, max_passes=24)
+        [q + t for q, t in zip(prompts, r)], p, V, seed=1), ref, new, k, graphs, max_passes=24, adaptive=adaptive)
     proposer = OracleProposer([q + r for q, r in zip(prompts, target)], p, V, seed=1)
-    out, on, engine = timed(model, prompts, new, SpeculativeConfig(proposer, None, k), graphs)
-    acc = engine.speculator.stats.mean_accepted_length
+    out, on, engine = timed(model, prompts, new, SpeculativeConfig(proposer, None, k, adaptive=adaptive), graphs)
+    stats = engine.speculator.stats
+    acc = stats.mean_accepted_length
     r = results[name] = dict(accepted_length=acc, expected=expected_accepted_length(p, k), tokens_per_s=on,
                              tokens_per_s_off=off, speedup=on / off, fixed_point_passes=passes,
-                             vs_its_reference=divergence(out, target, None))
+                             vs_its_reference=divergence(out, target, None),
+                             mean_draft=stats.spec_decode_num_draft_tokens / max(stats.spec_decode_num_drafts, 1))
     check(name, out, ref, gaps, exact, r)
     r.update(step_times(engine, prompts, new))
     print(f"{name} steps: {r}", flush=True)
@@ -314,7 +322,7 @@ def copy_row(model, prompt, y, passes: int, s: dict, results: dict, rows: list, 
     """The copy row: suffix decoding on `prompt`, whose greedy continuation is `y` (found by `fixed_point`)."""
     new, k, graphs = s["new"], s["k"], DEVICE.type == "cuda"
     ref, off, _ = timed(model, [prompt], new, graphs=graphs)
-    out, on, engine = timed(model, [prompt], new, SpeculativeConfig("suffix", None, k), graphs)
+    out, on, engine = timed(model, [prompt], new, SpeculativeConfig("suffix", None, k, adaptive=False), graphs)
     acc = engine.speculator.stats.mean_accepted_length
     r = results["copy suffix B=1"] = dict(accepted_length=acc, tokens_per_s=on, tokens_per_s_off=off,
                                           speedup=on / off, fixed_point_passes=passes,
@@ -337,10 +345,14 @@ def oracle_rows(model, prefix: str, ps, g: torch.Generator, s: dict, results: di
         prompts = [torch.randint(0, min(V, 1000), (s["prompt"],), generator=g).tolist() for _ in range(B)]
         for p in ps:
             oracle_row(model, f"{prefix}oracle B={B} p={p}", prompts, s, p, results, rows, exact)
+            oracle_row(model, f"{prefix}oracle B={B} p={p} k<={s['k']} chosen", prompts, s, p, results, rows, exact,
+                       adaptive=True)
         if B == 1:
             short = {**s, "k": s["short_k"]}
             q = p_for_accepted_length(expected_accepted_length(ps[-1], s["k"]), short["k"])
             oracle_row(model, f"{prefix}oracle B=1 p={q:.3f} k={short['k']}", prompts, short, q, results, rows, exact)
+            oracle_row(model, f"{prefix}oracle B=1 p={q:.3f} k<={s['k']} chosen", prompts, s, q, results, rows,
+                       exact, adaptive=True)
 
 
 def token_map_rows(model, s: dict, results: dict, rows: list, exact: bool) -> None:
@@ -366,7 +378,8 @@ def path_rows(model, results: dict, rows: list, new: int = 24, k: int = 7) -> No
                        use_cuda_graphs=graphs)
     dec = Engine(model, cfg).generate([prompt], params)[0].outputs[0]
     proposer = OracleProposer([prompt + dec.token_ids], 1.0, model.config.vocab_size)
-    ver = Engine(model, replace(cfg, speculative=SpeculativeConfig(proposer, None, k))).generate([prompt], params)[0]
+    spec = SpeculativeConfig(proposer, None, k, adaptive=False)
+    ver = Engine(model, replace(cfg, speculative=spec)).generate([prompt], params)[0]
     ver = ver.outputs[0]
     same = next((j for j, (a, b) in enumerate(zip(ver.token_ids, dec.token_ids)) if a != b), new)
     full_ids = prompt + dec.token_ids
@@ -392,7 +405,8 @@ def replay_profiles(model, prompt_len: int = 256, k: int = 7) -> None:
 
     prompts = [list(range(prompt_len))]
     engine = Engine(model, EngineConfig(max_num_seqs=k + 1, max_num_batched_tokens=512, max_model_len=prompt_len + 64,
-                                        enable_prefix_cache=False, speculative=SpeculativeConfig("suffix", None, k)))
+                                        enable_prefix_cache=False,
+                                        speculative=SpeculativeConfig("suffix", None, k, adaptive=False)))
     engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
     for (rows, span, L), g in sorted(engine.runner.graphs.items()):
         if (rows, L) in ((1, k + 1), (k + 1, 1)) and g.graph is not None:

@@ -134,6 +134,9 @@ def test_speculative_bench_smoke(tmp_path):
     # the copy row copies: the model with its attention outputs zeroed continues x + y + x with y
     copy = res["copy suffix B=1"]
     assert copy["vs_copied_text"] == "exact" and copy["accepted_length"] > 2
+    # beside each fixed-k row, the engine choosing k up to the ceiling: exact, and it drafted
+    chosen = res["oracle B=1 p=0.8 k<=3 chosen"]
+    assert chosen["greedy_vs_off"] == "exact" and 0 < chosen["mean_draft"] <= 3
     # the oracle rows on the token map: the fixed point is the run itself
     assert res["token map: oracle B=1 p=0.8"]["vs_its_reference"] == "exact"
 

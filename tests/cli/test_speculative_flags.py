@@ -20,15 +20,17 @@ def test_generate_with_speculation_prints_the_same_text(capsys, extra):
 
 def test_the_demos_drafter_needs_no_path_and_verbose_reports_acceptance(capsys):
     """From an installed wheel the shipped drafter has no path a user knows: `--speculative-method draft` on the
-    demo model picks it, `--speculative-model demo-draft` names it; `-v` prints the acceptance rate."""
+    demo model picks it, `--speculative-model demo-draft` names it; `-v` prints the acceptance rate, and k: up to
+    the ceiling when the engine picks it (the default), the ceiling with --no-adaptive-speculation."""
     rc, plain, _ = run(["generate", *GEN], capsys)
-    for extra in (["--speculative-method", "draft"], ["--speculative-method", "draft", "--speculative-model",
-                                                      "demo-draft"]):
+    for extra, k in ((["--speculative-method", "draft"], "k up to 4"),
+                     (["--speculative-method", "draft", "--speculative-model", "demo-draft"], "k up to 4"),
+                     (["--speculative-method", "draft", "--no-adaptive-speculation"], "k = 4")):
         rc2, spec, err = run(["generate", *GEN, *extra, "-v"], capsys)
         assert rc == rc2 == 0 and spec == plain, err
         (line,) = err.splitlines()
         assert line.startswith("kimik3 generate: 12 tokens in ")
-        assert "speculative draft, k = 4: acceptance rate " in line and "mean accepted length" in line
+        assert f"speculative draft, {k}: acceptance rate " in line and "mean accepted length" in line
     rc, _, err = run(["generate", *GEN, "-v"], capsys)
     assert rc == 0 and "acceptance" not in err and err.startswith("kimik3 generate: 12 tokens in ")
 
@@ -41,6 +43,7 @@ def test_the_demos_drafter_needs_no_path_and_verbose_reports_acceptance(capsys):
     (["--speculative-method", "draft", "--speculative-model", "demo-drafter"], "no drafter preset of that name "
      "(presets: demo-draft)"),
     (["--num-speculative-tokens", "3"], "need --speculative-method"),
+    (["--no-adaptive-speculation"], "need --speculative-method"),
     (["--speculative-method", "draft", "--speculative-model", "/nonexistent"], "no such folder"),
     (["--speculative-method", "draft", "--speculative-model", str(DEMO_DRAFTER)], "speculative model"),
 ])
@@ -53,7 +56,8 @@ def test_serve_help_lists_the_speculative_flags(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     out = capsys.readouterr().out
-    assert all(f in out for f in ("--speculative-method", "--speculative-model", "--num-speculative-tokens"))
+    assert all(f in out for f in ("--speculative-method", "--speculative-model", "--num-speculative-tokens",
+                                  "--adaptive-speculation"))
 
 
 def test_metrics_export_the_spec_decode_counters():

@@ -14,7 +14,7 @@ ENGINE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--m
                 "cpu_offload_gb": "--cpu-offload-gb", "expert_trace": "--expert-trace",
                 "expert_misses": "--expert-misses"}
 SPECULATIVE_FLAGS = {"method": "--speculative-method", "model": "--speculative-model",
-                     "num_speculative_tokens": "--num-speculative-tokens"}
+                     "num_speculative_tokens": "--num-speculative-tokens", "adaptive": "--adaptive-speculation"}
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: str = "64", warmup: bool = False,
@@ -60,7 +60,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: str = "64", war
                    help="the drafter for --speculative-method draft: a folder or a preset (demo-draft); default: the "
                         "drafter shipped with the model, if any (the demo model's)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="draft tokens verified per sequence and step (default 4)")
+                   help="the most draft tokens verified per sequence and step (default 4)")
+    g.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=None,
+                   help="pick each step's draft length up to --num-speculative-tokens, none where drafting loses, "
+                        "from the measured acceptance and step costs (default: on; --no-adaptive-speculation "
+                        "drafts K every step)")
 
 
 def speculative_config(args):
@@ -69,15 +73,18 @@ def speculative_config(args):
     from kimik3.inference.engine.config import SpeculativeConfig
     from kimik3.presets import resolve_drafter
 
-    method, model, k = (getattr(args, a, None) for a in ("speculative_method", "speculative_model",
-                                                        "num_speculative_tokens"))
+    method, model, k, adaptive = (getattr(args, a, None) for a in ("speculative_method", "speculative_model",
+                                                                  "num_speculative_tokens", "adaptive_speculation"))
     if method is None:
-        if model is not None or k is not None:
-            raise ValueError("--speculative-model and --num-speculative-tokens need --speculative-method")
+        if model is not None or k is not None or adaptive is not None:
+            raise ValueError("--speculative-model, --num-speculative-tokens and --[no-]adaptive-speculation need "
+                             "--speculative-method")
         return None
     if method == "draft":  # a preset name, or the model's shipped drafter, becomes the folder SpeculativeConfig checks
         model = str(resolve_drafter(model, getattr(args, "model", None)))
     given = {"num_speculative_tokens": k} if k is not None else {}
+    if adaptive is not None:
+        given["adaptive"] = adaptive
     try:
         return SpeculativeConfig(method, model, **given)
     except (ValueError, FileNotFoundError) as e:

@@ -67,7 +67,8 @@ def report(tokens: int, seconds: float, engine) -> None:
         spec, stats = engine.config.speculative, engine.speculator.stats
         drafted, accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
         rate = f"{accepted / drafted:.1%}" if drafted else "n/a"
-        line += (f"; speculative {spec.method}, k = {spec.num_speculative_tokens}: acceptance rate {rate} "
+        k = f"k up to {spec.num_speculative_tokens}" if spec.adaptive else f"k = {spec.num_speculative_tokens}"
+        line += (f"; speculative {spec.method}, {k}: acceptance rate {rate} "
                  f"({accepted} of {drafted} draft tokens in {stats.spec_decode_num_drafts} drafts), mean "
                  f"accepted length {stats.mean_accepted_length:.2f}")
     tiers = engine.stats

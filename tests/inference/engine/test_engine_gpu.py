@@ -135,14 +135,33 @@ def test_abort_under_graphs(models):
     assert outs["1"].outputs[0].finish_reason == "length" and len(eng.slots) == 8
 
 
-def _oracle_run(model, ps, params, p, k, graphs):
-    """(the run without speculation, the run with an oracle right with probability p, its engine)."""
+def _logprobs(outs) -> list[list[float]]:
+    return [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs]
+
+
+@torch.no_grad()
+def test_graphed_decode_equals_eager_engine_deterministic(models):
+    """The test above made exact (issue 39): in the batch-invariant mode graphed and eager decode steps run the same
+    sums whatever their padding and span, so tokens and logprobs agree bit for bit."""
+    *_, gpu = models
+    ps = prompts((30, 50, 9), seed=3)
+    params = SamplingParams(temperature=0, max_new_tokens=12, logprobs=0)
+    a = engine(gpu, use_cuda_graphs=True, deterministic=True).generate(ps, params)
+    b = engine(gpu, use_cuda_graphs=False, deterministic=True).generate(ps, params)
+    assert [x.outputs[0].token_ids for x in a] == [y.outputs[0].token_ids for y in b]
+    assert _logprobs(a) == _logprobs(b)
+
+
+def _oracle_run(model, ps, params, p, k, graphs, adaptive=False, **kw):
+    """(the run without speculation, the run with an oracle right with probability p at k (`adaptive`: up to k, the
+    engine choosing), its engine); `kw` more EngineConfig fields for both."""
     from kimik3.inference.engine import SpeculativeConfig
     from kimik3.inference.spec.oracle import OracleProposer
 
-    ref = engine(model, use_cuda_graphs=graphs).generate(ps, params)
+    ref = engine(model, use_cuda_graphs=graphs, **kw).generate(ps, params)
     oracle = OracleProposer([q + r.outputs[0].token_ids for q, r in zip(ps, ref)], p, 300, seed=2)
-    eng = engine(model, use_cuda_graphs=graphs, speculative=SpeculativeConfig(oracle, None, k))
+    eng = engine(model, use_cuda_graphs=graphs, speculative=SpeculativeConfig(oracle, None, k, adaptive=adaptive),
+                 **kw)
     return ref, eng.generate(ps, params), eng
 
 
@@ -169,13 +188,30 @@ def test_speculative_verification_graphs_bf16(models):
     params = SamplingParams(temperature=0, max_new_tokens=16, logprobs=0)
     ref, out, eng = _oracle_run(gpu, ps, params, 0.7, 4, graphs=True)
     assert sorted(k for k in eng.runner.graphs if k[2] > 1) == [(n, 16, 5) for n in (1, 2, 4, 8)]
-    assert sorted(eng.runner.commit_graphs) == [1, 2, 4, 8]
+    assert sorted(eng.runner.commit_graphs) == [(n, 5) for n in (1, 2, 4, 8)]
     assert eng.stats["spec_decode_num_accepted_tokens"] > 0
     for x, y in zip(out, ref):
         n = next((i for i, (p, q) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)) if p != q), 16)
         assert n >= 6, f"speculative and plain decodes part after {n} tokens"
         assert rel_err(torch.tensor([lp.logprob for lp in x.outputs[0].logprobs[:n + 1]]),
                        torch.tensor([lp.logprob for lp in y.outputs[0].logprobs[:n + 1]])) < 2e-2
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@torch.no_grad()
+def test_speculative_verification_graphs_bf16_deterministic(models, adaptive):
+    """The test above made exact (issue 39): in the batch-invariant mode a verification row computes the logits of
+    the decode row it replaces, so greedy tokens equal the plain run's, at k = 4 and with the engine choosing k up to
+    7 (graphs of 2, 4 and 8 tokens a row)."""
+    *_, gpu = models
+    ps = prompts((30, 50, 9), seed=3)
+    params = SamplingParams(temperature=0, max_new_tokens=16, logprobs=0)
+    ref, out, eng = _oracle_run(gpu, ps, params, 0.7, 7 if adaptive else 4, graphs=True, adaptive=adaptive,
+                                deterministic=True)
+    assert eng.stats["spec_decode_num_accepted_tokens"] > 0
+    assert [x.outputs[0].token_ids for x in out] == [y.outputs[0].token_ids for y in ref]
+    if adaptive:
+        assert eng.speculator.lengths.costs.table, "the engine timed its steps"
 
 
 @torch.no_grad()

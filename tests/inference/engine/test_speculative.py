@@ -36,8 +36,9 @@ def oracle(prompts, outs, p: float, vocab: int, seed: int = 0) -> OracleProposer
     return OracleProposer([q + r for q, r in zip(prompts, ids(outs))], p, vocab, seed)
 
 
-def spec(method, k: int = 4, **kw) -> dict:
-    return dict(speculative=SpeculativeConfig(method, num_speculative_tokens=k), **kw)
+def spec(method, k: int = 4, adaptive: bool = False, **kw) -> dict:
+    """The speculative config; k fixed unless `adaptive` (these tests are about a given k)."""
+    return dict(speculative=SpeculativeConfig(method, num_speculative_tokens=k, adaptive=adaptive), **kw)
 
 
 @pytest.mark.parametrize("p,k,batch,graphs", [(0.0, 3, 8, False), (0.6, 4, 8, False), (0.6, 4, 8, True),

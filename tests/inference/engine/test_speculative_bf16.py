@@ -40,6 +40,14 @@ def demo_gpu():
     return _demo("cuda")
 
 
+def spec(method: str | None, k: int, adaptive: bool = False) -> SpeculativeConfig | None:
+    """Speculation by `method` (None: off) at k, fixed (the tests at a given k) or (`adaptive`) the ceiling of the
+    engine's own choice."""
+    if method is None:
+        return None
+    return SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k, adaptive=adaptive)
+
+
 def tokens(lm, prompts, speculative: SpeculativeConfig | None) -> list[list[int]]:
     engine = Engine(lm, EngineConfig(**CONFIG, speculative=speculative))
     return [engine.generate([p], PARAMS)[0].outputs[0].token_ids for p in prompts]
@@ -49,7 +57,7 @@ def tokens(lm, prompts, speculative: SpeculativeConfig | None) -> list[list[int]
 @pytest.mark.parametrize("method", ["suffix", "draft"])
 def test_speculative_greedy_is_plain_greedy_in_bf16(demo, method, k):
     lm, prompts, want = demo
-    cfg = SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    cfg = spec(method, k)
     assert tokens(lm, prompts, cfg) == want
 
 
@@ -62,8 +70,23 @@ def test_speculative_greedy_is_plain_greedy_in_bf16_gpu(demo_gpu, method, k):
     on 2026-12-04 `kimik3 generate --prompt "ROMEO:"` printed one text with and without speculation (suffix k = 7,
     draft k = 3 and 7); this runs both prompts at every k."""
     lm, prompts, want = demo_gpu
-    cfg = SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    cfg = spec(method, k)
     assert tokens(lm, prompts, cfg) == want
+
+
+@pytest.mark.parametrize("method", ["suffix", "draft"])
+def test_speculative_greedy_with_k_chosen_is_plain_greedy_in_bf16(demo, method):
+    """The engine choosing each step's k up to 7 (the default; the verification widths 2, 4 and 8 all met)."""
+    lm, prompts, want = demo
+    assert tokens(lm, prompts, spec(method, 7, adaptive=True)) == want
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("method", ["suffix", "draft"])
+def test_speculative_greedy_with_k_chosen_is_plain_greedy_in_bf16_gpu(demo_gpu, method):
+    lm, prompts, want = demo_gpu
+    assert tokens(lm, prompts, spec(method, 7, adaptive=True)) == want
 
 
 # a shared prefix of several snapshot-grid blocks: the second request restores the first's state from the prefix
@@ -97,7 +120,7 @@ def test_speculative_greedy_after_a_prefix_hit_is_plain_greedy_in_bf16(demo, met
     lm = demo[0]
     want, hit, _ = after_a_hit(lm, None)
     assert hit >= 64, "the second request should restore the shared prefix from the cache"
-    cfg = SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    cfg = spec(method, k)
     got, hit_spec, drafts = after_a_hit(lm, cfg)
     assert hit_spec == hit
     assert drafts > 0, "the second request should speculate after its hit"
@@ -115,7 +138,7 @@ def test_speculative_greedy_after_a_prefix_hit_is_plain_greedy_in_bf16_gpu(demo_
     lm = demo_gpu[0]
     want, hit, _ = after_a_hit(lm, None, max_num_batched_tokens=64)
     assert hit >= 64
-    cfg = SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    cfg = spec(method, k)
     got, hit_spec, drafts = after_a_hit(lm, cfg, max_num_batched_tokens=64)
     assert (hit_spec, got) == (hit, want) and drafts > 0
 
@@ -140,15 +163,18 @@ def alone(demo):
                      for p, q in zip(prompts, MIXED)]
 
 
-@pytest.mark.parametrize("method,k", [(None, 0), ("draft", 3),
-                                      *(pytest.param(m, k, marks=pytest.mark.slow)
-                                        for m, k in (("suffix", 7), ("draft", 1), ("draft", 7), ("suffix", 3)))])
-def test_greedy_in_a_batch_of_16_is_greedy_alone_in_bf16(demo, alone, method, k):
-    """Batch invariance on the CPU in bf16: each of 16 mixed requests run together, without speculation and with it,
-    gets the greedy tokens it gets alone (before the references summed each row alike in any batch,
-    `kimik3.ops.rows`, the KDA step's matmul and the MLA value sum, every case here failed)."""
+@pytest.mark.parametrize("method,k,adaptive", [(None, 0, False), ("draft", 3, False), ("draft", 7, True),
+                                               *(pytest.param(m, k, a, marks=pytest.mark.slow)
+                                                 for m, k, a in (("suffix", 7, False), ("draft", 1, False),
+                                                                 ("draft", 7, False), ("suffix", 3, False),
+                                                                 ("suffix", 7, True)))])
+def test_greedy_in_a_batch_of_16_is_greedy_alone_in_bf16(demo, alone, method, k, adaptive):
+    """Batch invariance on the CPU in bf16: each of 16 mixed requests run together, without speculation and with it
+    (at a fixed k, and with the engine choosing k each step up to it), gets the greedy tokens it gets alone (before
+    the references summed each row alike in any batch, `kimik3.ops.rows`, the KDA step's matmul and the MLA value
+    sum, every case here failed)."""
     prompts, want = alone
-    cfg = None if method is None else SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    cfg = spec(method, k, adaptive)
     engine = Engine(demo[0], EngineConfig(max_num_seqs=16, max_model_len=512, speculative=cfg))
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, MIXED)] == want
 
@@ -182,14 +208,16 @@ def alone_gpu(demo_gpu):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("method,k", [(None, 0), ("suffix", 1), ("suffix", 3), ("suffix", 7), ("draft", 1),
-                                      ("draft", 3), ("draft", 7)])
-def test_greedy_in_a_batch_of_16_is_greedy_alone_in_bf16_gpu(demo_gpu, alone_gpu, method, k):
+@pytest.mark.parametrize("method,k,adaptive", [(None, 0, False), ("suffix", 1, False), ("suffix", 3, False),
+                                               ("suffix", 7, False), ("draft", 1, False), ("draft", 3, False),
+                                               ("draft", 7, False), ("suffix", 7, True), ("draft", 7, True)])
+def test_greedy_in_a_batch_of_16_is_greedy_alone_in_bf16_gpu(demo_gpu, alone_gpu, method, k, adaptive):
     """Batch invariance on CUDA in bf16 (`deterministic`): each of 16 mixed requests run together, without
-    speculation and with it, gets the greedy tokens it gets alone; the steps' row counts fall from 16 (or 16 x
-    (1 + k) verification rows) to 1 as the requests finish apart, through graphed and eager steps."""
+    speculation and with it (fixed k, and k chosen by the engine each step up to 7: verification graphs of widths
+    2, 4 and 8), gets the greedy tokens it gets alone; the steps' row counts fall from 16 (or 16 x (1 + k)
+    verification rows) to 1 as the requests finish apart, through graphed and eager steps."""
     prompts, want = alone_gpu
-    cfg = None if method is None else SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    cfg = spec(method, k, adaptive)
     engine = Engine(demo_gpu[0], EngineConfig(max_num_seqs=16, **GPU_DETERMINISTIC, speculative=cfg))
     got = [o.outputs[0].token_ids for o in engine.generate(prompts, MIXED)]
     assert [i for i in range(16) if got[i] != want[i]] == []
@@ -218,7 +246,7 @@ def test_verification_graphs_past_16_rows_gpu(demo_gpu, method, k):
     prompts = [tok.encode(t) for t in SPEAKERS * 2]
     params = MIXED + [SamplingParams(temperature=0, max_new_tokens=20 + i, ignore_eos=True) for i in range(16)]
     want = Engine(demo_gpu[0], EngineConfig(max_num_seqs=32, **GPU_DETERMINISTIC)).generate(prompts, params)
-    cfg = SpeculativeConfig(method, str(DEMO_DRAFTER) if method == "draft" else None, k)
+    cfg = spec(method, k)
     engine = Engine(demo_gpu[0], EngineConfig(max_num_seqs=32, **GPU_DETERMINISTIC, speculative=cfg))
     assert 32 in engine.runner.verify_sizes  # a 32-row verification graph
     got = engine.generate(prompts, params)

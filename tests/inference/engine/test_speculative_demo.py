@@ -15,7 +15,8 @@ from tests.helpers import rel_err
 
 PROMPTS = ["ROMEO:\nO, she doth teach the torches to burn bright!", "KING HENRY:\nOnce more unto the breach,",
            "HAMLET:\nTo be, or not to be, that is the question:\nHAMLET:\nTo be, or not to be,"]
-METHODS = {"draft": SpeculativeConfig("draft", str(DEMO_DRAFTER), 7), "suffix": SpeculativeConfig("suffix", None, 5)}
+METHODS = {"draft": SpeculativeConfig("draft", str(DEMO_DRAFTER), 7, adaptive=False),
+           "suffix": SpeculativeConfig("suffix", None, 5, adaptive=False)}
 
 
 @pytest.fixture(scope="module")

@@ -22,16 +22,21 @@ class SpeculativeConfig:
             `kimik3.inference.spec.Proposer` object (tests and benchmarks: an oracle).
         model: the drafter's folder (config.json + model.safetensors), for method "draft" only.
         num_speculative_tokens: k, the most draft tokens verified per sequence and step.
+        adaptive: the engine picks each step's k up to `num_speculative_tokens` (0: the step decodes) from the
+            measured acceptance and step costs (`draft_length.py`); False: every step drafts the full k.
     """
 
     method: object = "suffix"
     model: str | None = None
     num_speculative_tokens: int = 4
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
         if not isinstance(self.method, str):
             if not all(hasattr(self.method, a) for a in ("needs_taps", "propose", "observe", "finish")):
                 raise ValueError(f"method must be 'suffix', 'draft' or a Proposer, got {self.method!r}")

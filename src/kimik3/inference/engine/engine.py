@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from kimik3.inference.engine.config import EngineConfig
+from kimik3.inference.engine.draft_length import StepCosts
 from kimik3.inference.engine.pools import BlockPool, SlotPool, state_pool
 from kimik3.inference.engine.prefix_cache import PrefixCache, root_key
 from kimik3.inference.engine.request import (
@@ -99,10 +100,18 @@ class Engine:
         with torch.no_grad(), self.mode():
             spec = self.speculator
             self.runner = ModelRunner(lm, self.pool, -(-self.max_model_len // cfg.block_size), cfg.use_cuda_graphs,
-                                      cfg.max_num_seqs, self.adapters, 1 + spec.k if spec is not None else 1,
+                                      cfg.max_num_seqs, self.adapters,
+                                      tuple(1 + k for k in spec.lengths.lengths) if spec is not None else (),
                                       spec.needs_taps if spec is not None else ())
+            if spec is not None and spec.lengths.adaptive:  # the step costs it picks k by: timed on first need
+                spec.lengths.costs = StepCosts(self.runner.time_steps, self.runner.sizes)
             if cfg.warmup:
                 self.runner.warmup(cfg.max_num_batched_tokens)
+                # ... or here, every batch bucket, on CUDA (graph replays); on the CPU, where timing the demo's eager
+                # steps for every bucket added 11 s to a 64-sequence warm-up, each bucket is timed when first met
+                if spec is not None and spec.lengths.costs is not None and self.device.type == "cuda":
+                    for n in self.runner.sizes:
+                        spec.lengths.costs(n, 0)
         self.model_id = model_id
         self.requests: dict[str, RequestState] = {}
         self.aborted: list[RequestState] = []  # final outputs the next step() returns

@@ -6,9 +6,9 @@ so a step attends over at most twice the cached keys whatever `max_model_len` is
 first time a step needs it.
 
 With speculative decoding a step whose rows are all short and some verify a draft replays a verification graph:
-every row padded to 1 + k tokens (the padding is never kept), KDA's recurrent kernel over them, and each KDA layer's
-saved inputs copied into buffers every verification graph shares (`VerifyBuffers`), which the commit graph of as
-many rows reads.
+every row padded to 1 + k tokens, k the smallest of the engine's draft lengths that holds the step's longest draft
+(the padding is never kept), KDA's recurrent kernel over them, and each KDA layer's saved inputs copied into buffers
+every verification graph shares (`VerifyBuffers`), which the commit graph of as many rows and tokens reads.
 
 A graph is handed what its step reads (the model, the state pool, the block table, the tapped layers), never the
 runner. Legend: S slots, MB blocks per table, R rows, L row length, T = R*L packed tokens, V vocabulary.
@@ -17,6 +17,8 @@ runner. Legend: S slots, MB blocks per table, R rows, L row length, T = R*L pack
 from __future__ import annotations
 
 import gc
+import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -86,22 +88,28 @@ def verify_graph_rows(pool: StatePool, num_kda: int, row_len: int, sizes: list[i
 
 class VerifyBuffers:
     """Per KDA layer, static buffers for a verification step's saved inputs (`KDAStepIO.saved`: k, v, g, beta
-    [R, L, ...], q/k/v pre-conv inputs [R, L+W-1, P]), `max_rows` rows, allocated at first use; every verification
-    graph copies into their first rows and the commit graphs read them."""
+    [R, L, ...], q/k/v pre-conv inputs [R, L+W-1, P]) of up to `max_rows` rows of up to `max_len` tokens, allocated
+    at first use. Each is one flat tensor: the graphs of R rows of L tokens copy into (and the commit graphs read) a
+    contiguous view of its front, so every verification width shares the memory."""
 
-    def __init__(self, pool: StatePool, num_kda: int, max_rows: int, row_len: int):
-        self.pool, self.num_kda, self.max_rows, self.row_len = pool, num_kda, max_rows, row_len
-        self.buffers: list[tuple[Tensor, ...]] | None = None
+    def __init__(self, pool: StatePool, num_kda: int, max_rows: int, max_len: int):
+        self.pool, self.num_kda, self.max_rows, self.max_len = pool, num_kda, max_rows, max_len
+        self.flat: list[tuple[Tensor, ...]] | None = None
 
-    def __call__(self, rows: int) -> list[tuple[Tensor, ...]]:
-        if self.buffers is None:
-            R, L, p = self.max_rows, self.row_len, self.pool
-            _, _, H, K, _ = p.recurrent.shape
-            W1, P = p.conv.shape[-2:]
-            new = lambda *shape, dtype=p.dtype: torch.zeros(*shape, dtype=dtype, device=p.device)  # noqa: E731
-            self.buffers = [(new(R, L, H, K), new(R, L, H, K), new(R, L, H, K), new(R, L, H, dtype=torch.float32),
-                             *(new(R, L + W1, P) for _ in range(3))) for _ in range(self.num_kda)]
-        return [tuple(t[:rows] for t in layer) for layer in self.buffers]
+    def _shapes(self, R: int, L: int) -> tuple[tuple[int, ...], ...]:
+        _, _, H, K, _ = self.pool.recurrent.shape
+        W1, P = self.pool.conv.shape[-2:]
+        return (R, L, H, K), (R, L, H, K), (R, L, H, K), (R, L, H), *((R, L + W1, P),) * 3
+
+    def __call__(self, rows: int, row_len: int) -> list[tuple[Tensor, ...]]:
+        p = self.pool
+        dtypes = (p.dtype,) * 3 + (torch.float32,) + (p.dtype,) * 3
+        if self.flat is None:
+            full = self._shapes(self.max_rows, self.max_len)
+            self.flat = [tuple(torch.zeros(math.prod(s), dtype=d, device=p.device) for s, d in zip(full, dtypes))
+                         for _ in range(self.num_kda)]
+        shapes = self._shapes(rows, row_len)
+        return [tuple(t[: math.prod(s)].view(s) for t, s in zip(layer, shapes)) for layer in self.flat]
 
 
 class Pieces:
@@ -192,6 +200,25 @@ class StepGraph:
                 b.copy_(t)
         return logits[0].float()
 
+    def timed(self, repeats: int = 3) -> float:
+        """Seconds of this step on the scratch rows with random token ids (routed as text spreads them, not all
+        to one expert set): the fastest of `repeats` runs after an untimed one."""
+        g = torch.Generator().manual_seed(0)
+        self.ids.copy_(torch.randint(0, self.model.config.vocab_size, self.ids.shape, generator=g))
+        self.slots.fill_(self.pool.scratch_slot)
+        self.cached.zero_()
+        cuda = self.pool.device.type == "cuda"
+        times = []
+        for _ in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize(self.pool.device)
+            t0 = time.perf_counter()
+            self.graph.replay() if self.graph is not None else self._forward()
+            if cuda:
+                torch.cuda.synchronize(self.pool.device)
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])  # noise (other processes, the allocator) only ever adds time
+
     def __call__(self, chunks: list[Chunk]) -> Tensor:
         pad, L = self.rows - len(chunks), self.row_len
         ids = [t for c in chunks for t in c.seq.row_tokens(c.num_tokens) + [0] * (L - c.num_tokens)]
@@ -213,8 +240,8 @@ def commit_kda(kda: list[tuple[nn.Module, KDAView]], saved: list[tuple[Tensor, .
 
 
 class CommitGraph:
-    """`commit_kda` captured for the verification graphs of `rows` rows (their buffers are shared): the slots and
-    the kept counts are copied into its inputs before each replay."""
+    """`commit_kda` captured for the verification graphs of `rows` rows of one length (their buffers are shared):
+    the slots and the kept counts are copied into its inputs before each replay."""
 
     def __init__(self, kda: list[tuple[nn.Module, KDAView]], buffers: list[tuple[Tensor, ...]], pool: StatePool,
                  rows: int, handle):

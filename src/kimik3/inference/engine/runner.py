@@ -53,22 +53,23 @@ class StepOutput:
 class Verification:
     """What a step with drafts leaves for `ModelRunner.commit`: its verifying sequences in row order, the tokens
     each brought, each KDA layer's saved inputs of their rows, and their slots ([Nv], a graph's padding rows on the
-    scratch); `graphed`: the saved inputs are the verification graphs' shared buffers."""
+    scratch); `row_len`: a graph's row length, its saved inputs the verification graphs' shared buffers (0: an
+    eager step's own)."""
 
     seqs: list[Sequence]
     lens: list[int]
     saved: list[tuple[Tensor, ...]]
     slots: Tensor
-    graphed: bool = False
+    row_len: int = 0
 
 
 class ModelRunner:
-    """Runs the engine's steps. `verify_len` (1 + k, with speculative decoding) is the row length of the
-    verification graphs; 1 captures decode graphs only. `taps`: decoder layers whose residual stream each step
-    returns (`kimik3.inference.spec.taps`; a graph returns the hidden states its capture recorded)."""
+    """Runs the engine's steps. `verify_lens` (1 + k for each draft length the speculator may choose) are the row
+    lengths of the verification graphs; none: decode graphs only. `taps`: decoder layers whose residual stream each
+    step returns (`kimik3.inference.spec.taps`; a graph returns the hidden states its capture recorded)."""
 
     def __init__(self, model: nn.Module, pool: StatePool, max_blocks: int, use_cuda_graphs: bool | None,
-                 max_num_seqs: int, adapters: ServedAdapters | None = None, verify_len: int = 1,
+                 max_num_seqs: int, adapters: ServedAdapters | None = None, verify_lens: tuple[int, ...] = (),
                  taps: tuple[int, ...] = ()):
         self.model, self.pool, self.max_blocks, self.adapters = model, pool, max_blocks, adapters
         self.taps = taps
@@ -83,7 +84,8 @@ class ModelRunner:
             use_cuda_graphs = self.device.type == "cuda" and pool.dtype != torch.float32 and adapters is None
         self.table = BlockTable(pool, max_blocks)
         self.sizes = sorted({n for n in GRAPH_BUCKETS if n < max_num_seqs} | {max_num_seqs})
-        self.verify_len = verify_len
+        self.verify_lens = tuple(sorted(verify_lens))
+        longest = max(self.verify_lens, default=1)
         # on CUDA one memory pool for all the graphs; on the CPU the same static steps run eagerly (their form)
         self.static = use_cuda_graphs
         self.handle = torch.cuda.graph_pool_handle() if use_cuda_graphs and self.device.type == "cuda" else None
@@ -95,25 +97,25 @@ class ModelRunner:
                     if isinstance(view, KDAView)]
         # graphed verification: the batch buckets whose saved KDA inputs fit their memory budget (on the CPU, with
         # no graph memory to bound, every bucket); none fit: verification steps run eagerly
-        self.verify_sizes = self.sizes if self.handle is None else verify_graph_rows(pool, len(self.kda), verify_len,
+        self.verify_sizes = self.sizes if self.handle is None else verify_graph_rows(pool, len(self.kda), longest,
                                                                                       self.sizes)
-        self.buffers = VerifyBuffers(pool, len(self.kda), max(self.verify_sizes, default=0), verify_len)
+        self.buffers = VerifyBuffers(pool, len(self.kda), max(self.verify_sizes, default=0), longest)
         self.graphs: dict[tuple[int, int, int], StepGraph] = {}  # (rows, span, row_len)
-        self.commit_graphs: dict[int, CommitGraph] = {}  # rows
+        self.commit_graphs: dict[tuple[int, int], CommitGraph] = {}  # (rows, row_len)
         if self.handle is not None:
             # the graphs' expert kernels compile side by side first (their captures would compile them one by one)
-            compile_experts(model, self.sizes[-1] * verify_len)
+            compile_experts(model, self.sizes[-1] * longest)
             for n in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
                 self.graph(n, span_bucket(1, max_blocks), 1)
-            if verify_len > 1:
+            for L in reversed(self.verify_lens):
                 for n in reversed(self.verify_sizes):
-                    self.graph(n, span_bucket(1, max_blocks), verify_len)
-                    self._commit_graph(n)
+                    self.graph(n, span_bucket(1, max_blocks), L)
+                    self._commit_graph(n, L)
 
     def graph(self, rows: int, span: int, row_len: int) -> StepGraph:
         g = self.graphs.get((rows, span, row_len))
         if g is None:
-            buffers = self.buffers(rows) if row_len > 1 else None
+            buffers = self.buffers(rows, row_len) if row_len > 1 else None
             g = self.graphs[rows, span, row_len] = StepGraph(self.model, self.pool, self.table, self.taps, rows,
                                                              span, row_len, self.handle, buffers)
         return g
@@ -142,19 +144,27 @@ class ModelRunner:
         exports = [io.exports for io in ios] if step.export_pick is not None else None
         return StepOutput(logits[0].float(), exports, verification, stack_taps(found)[0] if self.taps else None)
 
+    def _row_len(self, chunks: list[Chunk]) -> int:
+        """A graph's row length for these chunks: 1 without drafts, else the shortest verification length that
+        holds the longest row (0: none does)."""
+        if all(c.seq.draft is None for c in chunks):
+            return 1
+        longest = max(c.num_tokens for c in chunks)
+        return next((L for L in self.verify_lens if L >= longest), 0)
+
     def _graphable(self, chunks: list[Chunk], media: list | None) -> bool:
         """Whether a graph runs these chunks: every row short, none exporting a snapshot or embedding an image, no
         more rows than a graph has, every sequence inside the block table."""
-        L = self.verify_len if any(c.seq.draft is not None for c in chunks) else 1
+        L = self._row_len(chunks)
         sizes = self.verify_sizes if L > 1 else self.sizes
-        return ((self.static_verify if L > 1 else self.static) and len(chunks) <= max(sizes, default=0)
+        return (L > 0 and (self.static_verify if L > 1 else self.static) and len(chunks) <= max(sizes, default=0)
                 and all(c.num_tokens <= L and not c.exports for c in chunks)
                 and (media is None or all(m is None for m in media))
                 and max(c.seq.num_computed for c in chunks) + L <= self.max_blocks * self.pool.block_size)
 
     def _replay(self, chunks: list[Chunk], logit_rows: list[int]) -> StepOutput:
-        verify = any(c.seq.draft is not None for c in chunks)
-        L, Bs = self.verify_len if verify else 1, self.pool.block_size
+        L, Bs = self._row_len(chunks), self.pool.block_size
+        verify = L > 1
         self.table.sync(chunks)
         rows = next(b for b in (self.verify_sizes if verify else self.sizes) if b >= len(chunks))
         span = span_bucket(max(max(len(c.seq.blocks), -(-(c.seq.num_computed + L) // Bs)) for c in chunks),
@@ -168,7 +178,7 @@ class ModelRunner:
         if L == 1:
             return StepOutput(take_rows(logits, logit_rows), taps=taps)
         return StepOutput(take_rows(logits, [padded[r] for r in logit_rows]), None,
-                          Verification([c.seq for c in chunks], lens, g.buffers, g.slots, graphed=True), taps)
+                          Verification([c.seq for c in chunks], lens, g.buffers, g.slots, row_len=L), taps)
 
     def _embeds(self, ids: Tensor, chunks: list[Chunk], media: list | None) -> Tensor | None:
         """The token embeddings [1, T, D] with the chunks' image tokens written over their media pads (None: no
@@ -189,17 +199,33 @@ class ModelRunner:
         keep = [n - rejected.get(seq, 0) for seq, n in zip(v.seqs, v.lens)]
         keep += [1] * (v.slots.shape[0] - len(keep))  # a graph's padding rows (the scratch slot)
         host = torch.tensor(keep)
-        if v.graphed and self.handle is not None:  # a graph's step: a graph's commit
-            self._commit_graph(len(keep))(v.slots, host)
+        if v.row_len and self.handle is not None:  # a graph's step: a graph's commit
+            self._commit_graph(len(keep), v.row_len)(v.slots, host)
             return
         keep_N = to_device(host, self.device)
         commit_kda(self.kda, v.saved, v.slots, keep_N)
 
-    def _commit_graph(self, rows: int) -> CommitGraph:
-        g = self.commit_graphs.get(rows)
+    def _commit_graph(self, rows: int, row_len: int) -> CommitGraph:
+        g = self.commit_graphs.get((rows, row_len))
         if g is None:
-            g = self.commit_graphs[rows] = CommitGraph(self.kda, self.buffers(rows), self.pool, rows, self.handle)
+            g = self.commit_graphs[rows, row_len] = CommitGraph(self.kda, self.buffers(rows, row_len), self.pool,
+                                                                rows, self.handle)
         return g
+
+    def time_steps(self, rows: int) -> dict[int, float]:
+        """Seconds of a step of `rows` rows (a batch bucket) on the scratch rows: {0: decoding, k: verifying k
+        drafts} for each verification length 1 + k (`StepGraph.timed`: a graph's replay, the fastest of three, or
+        the static step run eagerly where none is captured, once: on the CPU a step of 64 rows takes a tenth of a
+        second and more). The speculator chooses its k by them (`draft_length.StepCosts`)."""
+        span, out = span_bucket(1, self.max_blocks), {}
+        repeats = 3 if self.device.type == "cuda" else 1
+        for L in (1, *self.verify_lens):
+            if self.handle is not None and rows in (self.verify_sizes if L > 1 else self.sizes):
+                g = self.graph(rows, span, L)
+            else:  # no graph runs such a step: the same static step, eagerly
+                g = StepGraph(self.model, self.pool, self.table, (), rows, span, L, None)
+            out[L - 1] = g.timed(repeats)
+        return out
 
     def _adapter_rows(self, chunks: list[Chunk]):
         """Each packed token row's LoRA adapter for the forward (-1: the base), when the engine serves some."""

@@ -10,7 +10,8 @@ committed tokens are known the runner's `commit` runs the delta rule again over 
 commit`), so the committed KDA state is always the state after committed tokens only: no state copy per draft
 token, no rollback, and nothing re-fed. MLA latents of rejected positions are dropped by the sequence length not
 advancing over them (the next step overwrites them). Steps whose rows are all short replay a CUDA graph with every
-row padded to 1 + k tokens (graphs.py).
+row padded to 1 + k tokens (graphs.py). The step's k, up to `num_speculative_tokens`, is chosen from the measured
+acceptance and step costs (draft_length.py).
 
 Structured output speculates where its constraint can roll back (`GrammarConstraint`): before the forward the
 draft is walked through the grammar, cut at its first token the grammar refuses, and each verification row keeps
@@ -20,12 +21,14 @@ committed tokens only (as without speculation). A constraint without `rollback` 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from kimik3.inference.engine.config import SpeculativeConfig
+from kimik3.inference.engine.draft_length import DraftLength, Row
 from kimik3.inference.engine.request import Sequence, Status, TokenLogprob
 from kimik3.inference.engine.runner import ModelRunner, Verification, take_rows
 from kimik3.inference.engine.sampler import processed, raw_logprobs
@@ -63,10 +66,12 @@ class _Track:
 
 
 class Speculator:
-    """Drafts for the running sequences, verifies them, rolls back the rejected ones. `stats` holds the counters."""
+    """Drafts for the running sequences, verifies them, rolls back the rejected ones. `stats` holds the counters,
+    `lengths` chooses each step's k."""
 
     def __init__(self, cfg: SpeculativeConfig, lm: nn.Module):
-        self.k = cfg.num_speculative_tokens
+        self.k = cfg.num_speculative_tokens  # the ceiling; `lengths` picks each step's k up to it
+        self.lengths = DraftLength(self.k, cfg.adaptive)
         self.proposer = build_proposer(cfg, lm)
         self.needs_taps = tuple(self.proposer.needs_taps)
         self.stats = SpecStats()
@@ -86,42 +91,58 @@ class Speculator:
         for seq, t in list(self.tracks.items()):
             if seq.status is Status.FINISHED:
                 self.proposer.finish(t.id)
+                self.lengths.finish(t.id)
                 del self.tracks[seq]
         self.masks.clear()
-        items, asking = [], []  # the proposer's arguments per drafting sequence, and those sequences
+        rows, asking = [], []  # each sequence that can draft (`draft_length.Row`), and those sequences
+        batch = 0  # the rows the step will carry, drafting or not
         for seq in running:
             seq.draft = None
-            if seq.status is not Status.RUNNING or len(seq.tokens) <= seq.num_prompt:
+            if seq.status is not Status.RUNNING:
+                continue
+            batch += 1
+            if len(seq.tokens) <= seq.num_prompt:
                 continue
             if seq.constraint is not None and not hasattr(seq.constraint, "rollback"):
                 continue
             t = self._track(seq)
             if self.needs_taps and (t.broken or t.tapped != len(seq.tokens) - 1):
                 continue
+            # the bonus token comes on top of the drafts: at most what the length limits leave, minus one
+            left = min(seq.params.max_new_tokens - (len(seq.tokens) - seq.num_prompt),
+                       max_model_len - len(seq.tokens)) - 1
+            if left < 1:
+                continue
+            p = seq.params
+            rows.append(Row(t.id, min(self.k, left), fixed=p.seed is not None and p.temperature > 0))
+            asking.append((seq, t))
+        k = self.lengths.choose(rows, batch)
+        if k == 0:  # drafting loses this step: it decodes (and a drafter skips its pass)
+            return
+        items = []  # the proposer's arguments per drafting sequence
+        for row, (seq, t) in zip(rows, asking):
             if t.observed == 0:
                 self.proposer.observe(t.id, seq.tokens[: seq.num_prompt])
                 t.observed = seq.num_prompt
             if t.observed < len(seq.tokens):
                 self.proposer.observe(t.id, seq.tokens[t.observed:])
                 t.observed = len(seq.tokens)
-            # the bonus token comes on top of the drafts: at most what the length limits leave, minus one
-            left = min(seq.params.max_new_tokens - (len(seq.tokens) - seq.num_prompt),
-                       max_model_len - len(seq.tokens)) - 1
-            k = min(self.k, left)
-            if k < 1:
-                continue
             taps = None
             if self.needs_taps:
                 taps = torch.cat(t.taps) if t.taps else None
                 t.taps = []
-            items.append((t.id, list(seq.tokens), k, taps))
-            asking.append(seq)
-        batch = getattr(self.proposer, "propose_batch", None)  # a drafter drafts for every sequence in one pass
-        drafts = batch(items) if batch is not None and items else [self.proposer.propose(*it) for it in items]
-        for seq, draft in zip(asking, drafts):
+            items.append((t.id, list(seq.tokens), row.cap if row.fixed else min(k, row.cap), taps))
+        together = getattr(self.proposer, "propose_batch", None)  # a drafter drafts for every sequence in one pass
+        t0 = time.perf_counter()
+        drafts = together(items) if together is not None else [self.proposer.propose(*it) for it in items]
+        if self.lengths.costs is not None:  # a drafter reads its drafts back: its pass has ended
+            self.lengths.costs.proposed(batch, time.perf_counter() - t0)
+        for (seq, t), draft in zip(asking, drafts):
             if draft.tokens and seq.constraint is not None:
                 draft = self._constrain(seq, draft)
             seq.draft = draft if draft.tokens else None
+            if seq.draft is None:  # asked, nothing proposed: the sequence's draft rate falls
+                self.lengths.record(t.id, 0, 0)
 
     def _constrain(self, seq: Sequence, draft: Draft) -> Draft:
         """The draft up to its first token the grammar refuses; each row's mask kept in `masks` (the last row's,
@@ -166,6 +187,7 @@ class Speculator:
             k = len(seq.draft_tokens)
             committed = verify(seq.draft_tokens, seq.draft.probs, x[i: i + k + 1], seq.params, seq.generator)
             self.stats.record(k, len(committed) - 1)
+            self.lengths.record(self.tracks[seq].id, k, len(committed) - 1)
             out.append((seq, committed, raw_logprobs(raw[i: i + len(committed)], committed,
                                                      [seq.params] * len(committed))))
             i += k + 1
