@@ -22,12 +22,15 @@ from kimik3.inference.spec.oracle import OracleProposer
 from tests.inference.engine.conftest import greedy, make_engine, random_prompts
 
 
-def test_draft_lengths_are_powers_of_two_rows_and_the_ceiling():
+def test_draft_lengths_are_powers_of_two_rows_up_to_half_the_ceiling_and_the_ceiling():
     assert draft_lengths(1) == (1,)
+    assert draft_lengths(2) == (1, 2)
     assert draft_lengths(3) == (1, 3)
-    assert draft_lengths(4) == (1, 3, 4)
+    assert draft_lengths(4) == (1, 4)  # the default ceiling: graphs of 2 and 5 tokens a row
+    assert draft_lengths(6) == (1, 3, 6)
     assert draft_lengths(7) == (1, 3, 7)
-    assert draft_lengths(10) == (1, 3, 7, 10)
+    assert draft_lengths(8) == (1, 3, 8)
+    assert draft_lengths(16) == (1, 3, 7, 16)
 
 
 def test_expected_tokens_is_the_geometric_sum():

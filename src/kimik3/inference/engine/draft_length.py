@@ -30,9 +30,10 @@ PROPOSER_RATE = 0.25  # how far one timed proposal moves the proposer's cost
 
 
 def draft_lengths(ceiling: int) -> tuple[int, ...]:
-    """The draft lengths a step may verify: 1, 3, 7, 15 below the ceiling, and the ceiling. Each has its own
-    verification graphs (rows padded to 1 + k, powers of two), so the graphs triple at most, not k-fold."""
-    return tuple(sorted({k for k in (1, 3, 7, 15) if k < ceiling} | {ceiling}))
+    """The draft lengths a step may verify: those of 1, 3, 7, 15 (rows of a power of two) up to half the ceiling,
+    and the ceiling. Each has its own verification graphs, so their number grows with log k, not k; a length
+    close under the ceiling (3 under 4) would add graphs for a step one token narrower."""
+    return tuple(sorted({k for k in (1, 3, 7, 15) if 2 * k <= ceiling} | {ceiling}))
 
 
 def expected_tokens(a: float, k: int) -> float:
