@@ -146,6 +146,8 @@ def test_engine_with_several_sequences_speculation_and_cpu_static_steps(resident
     assert _tokens(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64)) == resident
     spec = SpeculativeConfig("suffix", None, 3)
     assert _tokens(model, EngineConfig(max_num_seqs=3, speculative=spec)) == resident
+    # no timed steps on a tiered model (their random tokens would evict hot experts): k stays the ceiling
+    assert Engine(model, EngineConfig(max_num_seqs=3, speculative=spec)).speculator.lengths.costs is None
     assert _tokens(model, EngineConfig(max_num_seqs=4, use_cuda_graphs=True)) == resident
     engine = Engine(model, EngineConfig(max_num_seqs=2))
     engine.generate(PROMPTS[:2], GREEDY)

@@ -43,7 +43,7 @@ from kimik3.inference.sampling import SamplingParams
 from kimik3.lora.serving import attach_adapters
 from kimik3.ops.kda import supports_checkpoints
 from kimik3.ops.matmul import batch_invariant
-from kimik3.placement import tier_stats
+from kimik3.placement import tier_stats, tiered_layers
 from kimik3.tokenizer.stops import StopDecoder
 
 
@@ -103,7 +103,9 @@ class Engine:
                                       cfg.max_num_seqs, self.adapters,
                                       tuple(1 + k for k in spec.lengths.lengths) if spec is not None else (),
                                       spec.needs_taps if spec is not None else ())
-            if spec is not None and spec.lengths.adaptive:  # the step costs it picks k by: timed on first need
+            # the step costs it picks k by: timed on first need. Not with tiered experts: a timed step's random
+            # tokens would pass through the expert cache, counted, and evict hot experts; there k stays the ceiling
+            if spec is not None and spec.lengths.adaptive and not tiered_layers(lm):
                 spec.lengths.costs = StepCosts(self.runner.time_steps, self.runner.sizes)
             if cfg.warmup:
                 self.runner.warmup(cfg.max_num_batched_tokens)
