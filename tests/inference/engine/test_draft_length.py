@@ -229,3 +229,20 @@ def test_seeded_samples_do_not_depend_on_the_choice(model):
         engine.speculator.lengths.costs = costs_of(table, engine.runner.sizes)
         got = [o.outputs[0].token_ids for o in engine.generate(prompts, [greedy(20), seeded])]
         assert got == want_ids
+
+
+def test_verification_widths_changing_step_to_step_share_their_buffers(model):
+    """k cycling 1, 3, 7 from step to step in the graphs' static form: each width's graph copies its saved KDA
+    inputs into the front of the same buffers and the commit reads them back as that width's view; greedy tokens
+    stay the plain run's and every width ran."""
+    V = model.config.vocab_size
+    prompts = random_prompts(V, (5, 40, 9), generator_seed=12)
+    params = greedy(30)
+    ref = make_engine(model).generate(prompts, params)
+    engine = oracle_engine(model, prompts, ref, 0.8, 7, use_cuda_graphs=True)
+    cycle = iter([1, 3, 7] * 100)
+    engine.speculator.lengths.choose = lambda rows, batch: next(cycle) if rows else 0
+    outs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
+    assert {key[2] for key in engine.runner.graphs} >= {2, 4, 8}
+    assert engine.stats["spec_decode_num_accepted_tokens"] > 0
