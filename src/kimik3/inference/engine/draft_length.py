@@ -1,7 +1,7 @@
 """How many tokens a speculative step drafts (issue 39): chosen each step from each sequence's measured acceptance
 and the measured cost of a step of each verification width, so that the step commits the most tokens per second.
-`--num-speculative-tokens` is the ceiling; where drafting loses (acceptance fallen, verification dear: long
-contexts, where a sequence's acceptance falls, or verification dear: many rows, a slow proposer) the step drafts
+`--num-speculative-tokens` is the ceiling. Where drafting loses (acceptance fallen, as it does late in long
+contexts; verification dear against its tokens: many rows that cannot draft, a slow proposer) the step drafts
 nothing and replays the decode graph.
 
 Legend: b the step's batch bucket (the graphs' row count), k draft tokens per row (0: a decode step), a a
@@ -98,8 +98,8 @@ class StepCosts:
 
 @dataclass(frozen=True)
 class Row:
-    """One running sequence as the choice sees it: its proposer's id, the drafts its length limits leave (`cap`;
-    0: it decodes), and whether it keeps the ceiling (a seeded sampling request)."""
+    """One running sequence that can draft, as the choice sees it: its proposer's id, the drafts its length limits
+    leave (`cap`, at least 1), and whether it keeps the ceiling (a seeded sampling request)."""
 
     id: int
     cap: int
@@ -117,7 +117,6 @@ class DraftLength:
         self.seqs: dict[int, Acceptance] = {}
         self.engine = Acceptance()  # every sequence's verifications: the prior of a sequence with few
         self.idle = 0  # steps since the last one that drafted
-        self.chosen = 0  # the last step's k
 
     def rate(self, seq_id: int) -> tuple[float, float]:
         """(acceptance rate, draft rate) of a sequence."""
@@ -132,7 +131,6 @@ class DraftLength:
         fixed = self.ceiling if any(r.fixed for r in rows) else 0
         k = max(fixed, self._best(rows, batch)) if self.adaptive else self.ceiling
         self.idle = 0 if k else self.idle + 1
-        self.chosen = k
         return k
 
     def _best(self, rows: list[Row], batch: int) -> int:
