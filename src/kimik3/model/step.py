@@ -5,10 +5,12 @@ chunk, Sk its key span, E exported snapshots, Nv sequences verifying a draft, L 
 n owns KDA slot `slots[n]` and the MLA blocks of its block table; it has `cached[n]` tokens in the pool and brings
 `lens[n]` new ones.
 
-MLA splits the step by chunk length: short chunks (decode rows, speculative drafts) attend in the latent space
-through `kimik3.ops.mla.paged_latent_attention`, whose work follows each sequence's cached tokens; long chunks
+MLA splits the step in two: short parts (decode rows, speculative drafts, a prompt's tail) attend in the latent
+space through `kimik3.ops.mla.paged_latent_attention`, whose work follows each sequence's cached tokens; long parts
 (prefill) expand their keys per head and attend under a mask over just their own key span. So a prefill chunk
-never pads the decode rows that share its step to its length, and no step's work grows with `max_model_len`.
+never pads the decode rows that share its step to its length, and no step's work grows with `max_model_len`. Where
+the split falls is the caller's (`build_step`'s `expanded_until`): by chunk length for the explicit cache, by
+position in a prompt for the engine (`prompt_expanded_until`), so that a prompt's bits do not depend on its chunks.
 
 A sequence verifying a speculative draft (`VerifyRows`) runs its row like any other, but the forward leaves its
 KDA slot as it was: which of its tokens are kept is known only after the logits, and the commit then runs the delta
@@ -129,7 +131,8 @@ def uniform_step(slots: Tensor, cached: Tensor, tables: Tensor, *, row_len: int,
 
 def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: list[list[int]], block_size: int,
                conv_window: int, pad_block: int, device: torch.device,
-               exports: list[list[int]] | None = None, verify: list[int] | None = None) -> Step:
+               exports: list[list[int]] | None = None, verify: list[int] | None = None,
+               expanded_until: list[int] | None = None) -> Step:
     """The step of N chunks from host lists (eager steps: every shape is known here, nothing is read back).
 
     Args:
@@ -138,6 +141,10 @@ def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: 
         exports: per sequence, offsets from its chunk start (multiples of the KDA chunk, at most its length)
             where the KDA state is exported (each KDA layer returns them: `KDAStepIO.exports`).
         verify: the sequences that verify a draft (`Step.verify`).
+        expanded_until: per sequence, the position below which its new tokens attend expanded (MLA's long path),
+            the rest in the latent space; a chunk may so be cut in two. None: by chunk length, a whole chunk of
+            EXPANDED_FROM_TOKENS tokens or more expanded (`prompt_expanded_until` is the engine's rule instead:
+            it depends on the position only, so a prompt's rows compute the same bits however it is chunked).
     """
     N, W, T = len(slots), conv_window, sum(lens)
     if lens == [1] * N and not (exports and any(exports)) and not verify:
@@ -166,17 +173,24 @@ def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: 
     table_NM = torch.tensor([b + [pad_block] * (width - len(b)) for b in tables], dtype=torch.long)
     write_index = table_NM[seq_T, pos_T // block_size] * block_size + pos_T % block_size
     cu = torch.tensor([0, *lens]).cumsum(0)
-    short = [n for n in range(N) if lens[n] < EXPANDED_FROM_TOKENS]
-    long = [n for n in range(N) if lens[n] >= EXPANDED_FROM_TOKENS]
-    short_rows = torch.cat([torch.arange(starts[n], starts[n] + lens[n]) for n in short]) if short else \
+    if expanded_until is None:
+        expanded_until = [c + n if n >= EXPANDED_FROM_TOKENS else c for c, n in zip(cached, lens)]
+    # MLA's parts (sequence, first packed row, cached, new tokens): each chunk's expanded head, then its latent rest
+    long, short = [], []
+    for n in range(N):
+        cut = min(max(expanded_until[n] - cached[n], 0), lens[n])
+        long += [(n, starts[n], cached[n], cut)] if cut else []
+        short += [(n, starts[n] + cut, cached[n] + cut, lens[n] - cut)] if cut < lens[n] else []
+    short_rows = torch.cat([torch.arange(a, a + m) for _, a, _, m in short]) if short else \
         torch.zeros(0, dtype=torch.long)
     step = Step(row_len=0, cu_seqlens=dev(cu), slots=dev(slots), block_size=block_size,
                 write_index=write_index.to(device),
-                short_rows=short_rows.to(device) if len(short) < N else None,
-                short_cu=dev(torch.tensor([0, *(lens[n] for n in short)]).cumsum(0)),
-                short_lens=dev([cached[n] + lens[n] for n in short]), short_tables=table_NM[short].to(device),
-                short_max_len=max((cached[n] + lens[n] for n in short), default=0),
-                long=_long_chunks(long, starts, cached, lens, table_NM, block_size, device) if long else None,
+                short_rows=short_rows.to(device) if long else None,
+                short_cu=dev(torch.tensor([0, *(m for *_, m in short)]).cumsum(0)),
+                short_lens=dev([c + m for _, _, c, m in short]),
+                short_tables=table_NM[[n for n, *_ in short]].to(device),
+                short_max_len=max((c + m for _, _, c, m in short), default=0),
+                long=_long_chunks(long, table_NM, block_size, device) if long else None,
                 conv_index=conv_index.to(device), tail_index=tail_index.to(device))
     if exports is not None and any(exports):
         _add_exports(step, exports, lens, ext_rows, rows, device)
@@ -191,27 +205,37 @@ def build_step(*, slots: list[int], cached: list[int], lens: list[int], tables: 
     return step
 
 
-def _long_chunks(long: list[int], starts: list[int], cached: list[int], lens: list[int], table_NM: Tensor,
-                 block_size: int, device: torch.device) -> LongChunks:
-    tq = max(lens[n] for n in long)
-    sk = max(cached[n] + lens[n] for n in long)
-    rows = torch.cat([torch.arange(starts[n], starts[n] + lens[n]) for n in long])
-    firsts = torch.tensor([0, *(lens[n] for n in long)]).cumsum(0)[:-1]
-    ln = torch.tensor([lens[n] for n in long])
-    cn = torch.tensor([cached[n] for n in long])
+def _long_chunks(long: list[tuple[int, int, int, int]], table_NM: Tensor, block_size: int,
+                 device: torch.device) -> LongChunks:
+    """The expanded parts (sequence, first packed row, cached, new tokens) as `LongChunks`."""
+    seqs = [n for n, *_ in long]
+    ln = torch.tensor([m for *_, m in long])
+    cn = torch.tensor([c for _, _, c, _ in long])
+    tq, sk = int(ln.max()), int((cn + ln).max())
+    rows = torch.cat([torch.arange(a, a + m) for _, a, _, m in long])
+    firsts = torch.tensor([0, *ln.tolist()]).cumsum(0)[:-1]
     j = torch.arange(tq)
     q_valid = j[None] < ln[:, None]
     q_index = torch.where(q_valid, firsts[:, None] + j, firsts[:, None])
     seq = torch.repeat_interleave(torch.arange(len(long)), ln)
     unpack = seq * tq + (torch.arange(rows.shape[0]) - firsts[seq])
     s = torch.arange(sk)
-    key_index = table_NM[long][:, s // block_size] * block_size + s % block_size
+    key_index = table_NM[seqs][:, s // block_size] * block_size + s % block_size
     key_valid = s[None] < (cn + ln)[:, None]
     mask = key_valid[:, None] & (s[None, None] <= (cn[:, None] + j)[..., None])
     # a padding query sees only key 0 (always real): its ignored output stays finite
     mask = torch.where(q_valid[..., None], mask, s[None, None] == 0)
     to = lambda x: x.to(device)  # noqa: E731
     return LongChunks(to(rows), to(q_index), to(unpack), to(key_index), to(key_valid), to(mask))
+
+
+def prompt_expanded_until(num_prompt: int) -> int:
+    """The engine's split of MLA's paths (`build_step`'s `expanded_until`) for a sequence of `num_prompt` prompt
+    tokens: positions below the prompt's last multiple of EXPANDED_FROM_TOKENS attend expanded, the rest of the
+    prompt and every output position in the latent space. It depends on the position only, not on where the step's
+    budget cut the prompt: a prompt prefilled in one chunk or several computes the same bits (by chunk length, a
+    prompt's tail split off into a short chunk took the latent path, in one chunk the expanded one)."""
+    return num_prompt // EXPANDED_FROM_TOKENS * EXPANDED_FROM_TOKENS
 
 
 def _add_exports(step: Step, exports: list[list[int]], lens: list[int], ext_rows, rows: Tensor,

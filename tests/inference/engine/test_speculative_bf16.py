@@ -192,6 +192,26 @@ def test_seeded_samples_in_a_batch_are_the_solo_samples_in_bf16(demo):
     assert [o.outputs[0].token_ids for o in together] == solo
 
 
+@pytest.mark.parametrize("budget,beside", [(64, 0), (128, 0), (200, 0), (128, 1), (100, 1)])
+def test_a_prompt_computes_the_same_bits_however_it_is_chunked_in_bf16(demo, budget, beside):
+    """A 263-token prompt prefilled in one chunk, or cut by a smaller token budget (and by a request beside it),
+    gives the same greedy tokens and the same logprobs bit for bit: MLA's path for a prompt position depends on the
+    position (`prompt_expanded_until`), not on the chunk (by chunk length, the split prompt's tail took the latent
+    path and logprobs parted by up to 7e-3)."""
+    tok = Tokenizer.from_file(DEMO_MODEL / "tiktoken.model")
+    prompt = tok.encode(SHARED * 3 + "EXETER:")
+    assert len(prompt) > 256
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True, logprobs=0)
+
+    def run(budget: int, others: list[str]):
+        engine = Engine(demo[0], EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=1024,
+                                              enable_prefix_cache=False))
+        out = engine.generate([prompt] + [tok.encode(o) for o in others], params)[0].outputs[0]
+        return out.token_ids, [lp.logprob for lp in out.logprobs]
+
+    assert run(budget, SPEAKERS[3: 3 + beside]) == run(2048, [])
+
+
 # on CUDA the default kernels pick their sums by the step's size (cuBLAS, MLA's splits, the MoE tiles): batch
 # invariance there is the engine's `deterministic` mode (`kimik3.ops.matmul.batch_invariant`)
 GPU_DETERMINISTIC = dict(max_model_len=512, deterministic=True)

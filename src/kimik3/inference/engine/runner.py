@@ -31,7 +31,7 @@ from kimik3.inference.spec.taps import stack_taps, tapped
 from kimik3.lora.serving import ServedAdapters
 from kimik3.model.moe import compile_experts, warm_experts
 from kimik3.model.state import KDAView, StatePool
-from kimik3.model.step import build_step
+from kimik3.model.step import build_step, prompt_expanded_until
 from kimik3.ops.backend import to_device
 from kimik3.ops.tuned import seed_autotune
 
@@ -131,7 +131,7 @@ class ModelRunner:
                           lens=lens, tables=[c.seq.blocks for c in chunks], block_size=self.pool.block_size,
                           conv_window=self.pool.conv_window, pad_block=self.pool.scratch_block, device=self.device,
                           exports=[c.exports for c in chunks] if any(c.exports for c in chunks) else None,
-                          verify=verify)
+                          verify=verify, expanded_until=[prompt_expanded_until(c.seq.num_prompt) for c in chunks])
         ids = torch.tensor([t for c in chunks for t in c.seq.row_tokens(c.num_tokens)])[None].to(self.device)
         embeds = self._embeds(ids, chunks, media)
         with self._adapter_rows(chunks), tapped(self.model, self.taps) as found:
