@@ -32,3 +32,25 @@ def test_cpu_bf16_linear_rows_are_batch_invariant(shape):
     alone = F.linear(x[:1], w)
     for M in (2, 3, 16, 17, 64, 65, 130):
         assert torch.equal(F.linear(x[:M], w)[:1], alone)
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (2048, 7168)])
+def test_cpu_bf16_linear_rows_in_the_mode_are_batch_invariant(shape):
+    """At these shapes MKL's bf16 GEMM sums some rows by where they fall in the call (on this repository's CPU from
+    37 and from 2 rows); inside `batch_invariant` the CPU's 16-bit mm / addmm run in row groups, and every prefix of
+    a batch, and a row placed elsewhere, gives the full batch's bits."""
+    from kimik3.ops.matmul import batch_invariant
+
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(*shape, generator=g) * 0.02).bfloat16()
+    bias = torch.randn(shape[0], generator=g).bfloat16()
+    x = torch.randn(100, shape[1], generator=g).bfloat16()
+    with batch_invariant():
+        for b in (None, bias):
+            full = F.linear(x, w, b)
+            for M in (1, 2, 15, 16, 17, 37, 64, 99):
+                assert torch.equal(F.linear(x[:M], w, b), full[:M])
+            y = torch.randn(40, shape[1], generator=g).bfloat16()
+            y[33] = x[5]
+            assert torch.equal(F.linear(y, w, b)[33], full[5])
+            assert torch.equal(F.linear(x[None], w, b)[0], full)  # [1, T, D] as the model's layers call it

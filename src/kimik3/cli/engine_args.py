@@ -49,9 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: str = "64", war
                         "to the GPU (copy: greedy tokens equal the all-resident model's bit for bit, in bf16 too); "
                         "auto (default): the cheaper by measured cost, each step")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
-                   help="batch-invariant kernels on the GPU: a request's tokens do not depend on what else runs "
-                        "beside it, and greedy tokens with speculative decoding equal those without it, in bf16 too "
-                        "(docs/inference.md has its cost; default: off)")
+                   help="batch-invariant kernels: a request's tokens do not depend on what else runs beside it, "
+                        "and greedy tokens with speculative decoding equal those without it, in bf16 too "
+                        "(docs/inference.md has its cost, on the GPU and the CPU; default: off)")
     g.add_argument("--speculative-method", choices=("suffix", "draft"), default=None,
                    help="speculative decoding: suffix (model-free, copies from the prompt and output) or draft "
                         "(a DSpark-style drafter, --speculative-model); the same output (greedy: the same tokens in "

@@ -5,8 +5,10 @@ matrix-vector kernel; more: blockings that change with the count), so a token's 
 in their last bits with the batch it ran in, and in bf16 a near tie then went another way: a sequence's greedy
 tokens depended on what else the engine was running (issue 39). `in_row_groups` runs a product over groups of ROWS
 rows, the last padded with zeros: every call has one shape, and in it a row's sums depend neither on its place nor
-on the other rows (tests/ops/test_rows.py measures both). bf16 GEMMs (the model's linear layers) need none of this:
-on the CPU they sum each row alike at any row count (the same test). Off the CPU it runs fn once: cuBLAS changes its
+on the other rows (tests/ops/test_rows.py measures both). bf16 GEMMs (the model's linear layers) sum each row alike
+at most shapes (the same test), but not at all: on this repository's CPU, K = 512 from 37 rows and K = 7,168 from 2
+rows sum some rows by where they fall in the call's blocking; `kimik3.ops.matmul.batch_invariant` (the engine's
+`deterministic`) runs those in row groups too. Off the CPU it runs fn once: cuBLAS changes its
 sums with the row count too, and grouping one product would not make a step invariant there (the GPU's batch
 invariance is its kernels' work), while a loop of small products would slow the training forward whose fp32 master
 router weight takes the reference path on CUDA.

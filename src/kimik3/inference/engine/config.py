@@ -81,10 +81,11 @@ class EngineConfig:
         expert_misses: how a tiered layer serves the experts it misses: "auto" (per step, the cheaper by measured
             cost), "host" (computed on the host's cores) or "copy" (copied to the device and computed there: every
             row bit for bit the all-resident model's, so greedy tokens equal it in bf16 too).
-        deterministic: run every step batch-invariantly (`kimik3.ops.matmul.batch_invariant`): on CUDA a
-            sequence's logits are bitwise the same whatever else its steps carry, so greedy tokens with speculative
-            decoding equal those without it, and a request's tokens do not depend on the batch it ran in. On the
-            CPU the default kernels already are (`kimik3.ops.rows`); there it changes nothing.
+        deterministic: run every step batch-invariantly (`kimik3.ops.matmul.batch_invariant`): a sequence's
+            logits are bitwise the same whatever else its steps carry, so greedy tokens with speculative decoding
+            equal those without it, and a request's tokens do not depend on the batch it ran in. On the CPU the
+            default kernels already are but for MKL's 16-bit GEMM at some shapes, which it runs in fixed row
+            groups (`kimik3.ops.rows`).
     """
 
     max_num_seqs: int = 64

@@ -92,11 +92,10 @@ class Engine:
         self.speculator = Speculator(cfg.speculative, lm) if cfg.speculative is not None else None
         if self.speculator is not None and sync_tokens is not None:
             raise ValueError("speculative decoding with sync_tokens (ranks generating together) is not supported")
-        # the mode is thread-local: entered around the construction (captures, warm-up) and each step; on the CPU
-        # the default kernels are batch-invariant already (kimik3.ops.rows), and the mode would only add its
-        # Python dispatch to every op
-        invariant = cfg.deterministic and self.device.type == "cuda"
-        self.mode = batch_invariant if invariant else contextlib.nullcontext
+        # the mode is thread-local: entered around the construction (captures, warm-up) and each step. On the CPU
+        # the default kernels are batch-invariant but for MKL's 16-bit GEMM at some shapes, which the mode groups
+        # by rows (at the price of its Python dispatch on every op, so only when asked)
+        self.mode = batch_invariant if cfg.deterministic else contextlib.nullcontext
         with torch.no_grad(), self.mode():
             spec = self.speculator
             self.runner = ModelRunner(lm, self.pool, -(-self.max_model_len // cfg.block_size), cfg.use_cuda_graphs,
