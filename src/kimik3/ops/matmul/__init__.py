@@ -13,9 +13,10 @@
 Why (issue 39): in bf16 a sequence's logits must not depend on what else its step carries, or a verification row
 (speculative decoding) and a decode row, or a request alone and in a batch, take different greedy tokens at near
 ties. On the CPU the default kernels are invariant but for MKL's 16-bit GEMM at some shapes, which the mode runs in
-fixed row groups (`kimik3.ops.rows`); on CUDA cuBLAS and the fused kernels pick their work split by size. The mode is a `TorchDispatchMode`: it sees the products after autograd and the
-composite ops (F.linear, einsum, @) have been lowered to aten, so no layer changes, and it is thread-local, so an
-engine turns it on around its own steps only. Inference only: gradients are not routed.
+fixed row groups (`kimik3.ops.rows`); on CUDA cuBLAS and the fused kernels pick their work split by size. The mode
+is a `TorchDispatchMode`: it sees the products after autograd and the composite ops (F.linear, einsum, @) have been
+lowered to aten, so no layer changes, and it is thread-local, so an engine turns it on around its own steps only.
+Inference only: gradients are not routed.
 """
 
 from __future__ import annotations
