@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from bench.build import step_weight_bytes
 from bench.common import (
     DEVICE,
     ceilings,
@@ -45,7 +46,6 @@ from kimik3.inference import SamplingParams
 from kimik3.inference.engine import Engine, EngineConfig, Request
 from kimik3.model import K3ForCausalLM
 from kimik3.model.cache import state_bytes
-from kimik3.model.moe import LatentMoE
 from kimik3.ops.backend import moe_backend_from_env, use_backend
 from kimik3.presets import load_config
 from kimik3.quant import relayout_experts
@@ -161,18 +161,9 @@ def mixed_step_ms(model, s: dict, graphs: bool, rows: int, deterministic: bool =
 def roofline_ms(model, B: int, context: int, bandwidth: float) -> float:
     """Bytes a decode step must move at the measured copy bandwidth: the dense weights, the routed experts B
     tokens are expected to touch, each sequence's KDA state (read + write) and MLA latents over `context`."""
-    cfg = model.config
-    expert, dense = 0, 0
-    for name, t in model.state_dict().items():
-        if name.endswith("embed_tokens.weight"):  # a lookup reads only B rows of the table
-            dense += B * t[0].nbytes
-            continue
-        (expert := expert + t.nbytes) if ".experts." in name else (dense := dense + t.nbytes)
-    moe = next((m for m in model.modules() if isinstance(m, LatentMoE)), None)
-    touched = 1 - (1 - cfg.moe.num_experts_per_token / cfg.moe.num_experts) ** B if moe is not None else 0
-    one = state_bytes(cfg, next(model.parameters()).dtype)
+    one = state_bytes(model.config, next(model.parameters()).dtype)
     per_seq = 2 * (one["kda_state_per_sequence"] + one["kda_conv_per_sequence"]) + context * one["mla_latent_per_token"]
-    return (dense + expert * touched + B * per_seq) / bandwidth * 1e3
+    return (step_weight_bytes(model, B) + B * per_seq) / bandwidth * 1e3
 
 
 def ttft_ms(engine: Engine, prompt: list[int], rid: str) -> tuple[float, int]:

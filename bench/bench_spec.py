@@ -28,7 +28,6 @@ Every speculative run is checked against the run without speculation, token for 
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import time
 from dataclasses import replace
@@ -266,30 +265,13 @@ def attention_off(model):
             proj.weight.copy_(w)
 
 
-@functools.lru_cache
-def _weight_bytes(config, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(bytes of every weight but the routed experts and the embedding, bytes of one routed expert, MoE layers) of
-    the model `config` describes, counted on the meta device (the benchmark's own model may hold its experts in
-    Humming's layout by then)."""
-    from bench.build import dense_bytes, expert_bytes
-    from kimik3.model.moe import MXFP4Experts
-    from kimik3.quant import pack_experts
-
-    with torch.device("meta"):
-        model = pack_experts(K3ForCausalLM(config, dtype))
-    layers = sum(isinstance(m, MXFP4Experts) for m in model.modules())
-    return dense_bytes(model) - model.model.embed_tokens.weight.nbytes, expert_bytes(model), layers
-
-
 def bytes_ratio(model, tokens: int) -> float:
-    """The bytes a verification step of `tokens` independently routed tokens reads over a decode step's: every
-    weight but the embedding once (a step reads one embedding row a token), and in each MoE layer the
-    1 - (1 - A/E)^n share of its E experts that n tokens route to (on slice-12: 1.83x for 8 tokens, 1.40x for 4;
-    BENCHMARKS.md, "the bytes ceiling")."""
-    dense, expert, layers = _weight_bytes(model.config, model.lm_head.weight.dtype)
-    E, A = model.config.moe.num_experts, model.config.moe.num_experts_per_token
-    step = lambda n: dense + layers * E * (1 - (1 - A / E) ** n) * expert  # noqa: E731
-    return step(tokens) / step(1)
+    """The bytes a verification step of `tokens` independently routed tokens of one sequence reads over a decode
+    step's (`bench.build.step_weight_bytes`; on slice-12: 1.83x for 8 tokens, 1.40x for 4; BENCHMARKS.md, "the
+    bytes ceiling")."""
+    from bench.build import step_weight_bytes
+
+    return step_weight_bytes(model, tokens) / step_weight_bytes(model, 1)
 
 
 def best_ceiling(model, p: float, ks) -> tuple[int, float]:

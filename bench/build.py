@@ -57,6 +57,23 @@ def dense_bytes(module: nn.Module) -> int:
     return sum(t.nbytes for t in list(module.parameters()) + list(module.buffers()) if id(t) not in experts)
 
 
+def step_weight_bytes(module: nn.Module, tokens: int) -> float:
+    """Weight bytes a step of `tokens` independently routed tokens reads (the bytes floor's weight part): every
+    dense weight once but the embedding (a lookup reads one row a token), and of the routed experts the share
+    1 - (1 - A/E)^tokens that many tokens are expected to touch."""
+    cfg = module.config
+    expert, dense = 0, 0
+    for name, t in module.state_dict().items():
+        if name.endswith("embed_tokens.weight"):
+            dense += tokens * t[0].nbytes
+        elif ".experts." in name:
+            expert += t.nbytes
+        else:
+            dense += t.nbytes
+    touched = 1 - (1 - cfg.moe.num_experts_per_token / cfg.moe.num_experts) ** tokens if expert else 0
+    return dense + expert * touched
+
+
 def linear_flops(module: nn.Module, tokens: int, top_k: int) -> int:
     """Matmul FLOPs of one forward over `tokens` tokens: every Linear + the active routed experts."""
     flops = sum(2 * tokens * m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))

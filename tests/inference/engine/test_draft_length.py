@@ -15,10 +15,9 @@ from kimik3.inference.engine.draft_length import (
     Row,
     StepCosts,
     draft_lengths,
-    expected_tokens,
 )
 from kimik3.inference.sampling import SamplingParams
-from kimik3.inference.spec.oracle import OracleProposer
+from kimik3.inference.spec.oracle import OracleProposer, expected_accepted_length
 from tests.inference.engine.conftest import greedy, make_engine, random_prompts
 
 
@@ -34,9 +33,9 @@ def test_draft_lengths_are_powers_of_two_rows_up_to_half_the_ceiling_and_the_cei
 
 
 def test_expected_tokens_is_the_geometric_sum():
-    assert expected_tokens(0.0, 7) == 1.0
-    assert expected_tokens(1.0, 3) == 4.0
-    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_accepted_length(0.0, 7) == 1.0
+    assert expected_accepted_length(1.0, 3) == 4.0
+    assert expected_accepted_length(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     # the simulated law: k drafts, each kept with probability a once those before were
     import random
 
@@ -47,7 +46,7 @@ def test_expected_tokens_is_the_geometric_sum():
         while kept < k and rng.random() < a:
             kept += 1
         total += kept + 1
-    assert total / n == pytest.approx(expected_tokens(a, k), rel=0.01)
+    assert total / n == pytest.approx(expected_accepted_length(a, k), rel=0.01)
 
 
 def costs_of(table: dict[int, float], buckets=(1, 2, 4, 8)) -> StepCosts:
@@ -83,7 +82,7 @@ def test_choice_follows_acceptance_against_cost():
     train(mid, 0, 3, 3, 4)
     train(mid, 0, 7, 2, 2)
     a, _ = mid.rate(0)
-    values = {k: expected_tokens(a, k) / table[k] for k in table}
+    values = {k: expected_accepted_length(a, k) / table[k] for k in table}
     assert mid.choose([Row(0, 7)], batch=1) == max(values, key=values.get)
     # the length limits cap a row: with 2 drafts left, k = 7 buys nothing over k = 3
     assert every.choose([Row(0, 2)], batch=1) == 3

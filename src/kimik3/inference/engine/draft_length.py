@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kimik3.inference.spec.oracle import expected_accepted_length
+
 PRIOR = 0.5  # the acceptance rate assumed before any draft was verified
 PRIOR_WEIGHT = 4.0  # in tried draft tokens: how much evidence the prior (a sequence's: the engine's) is worth
 DECAY = 0.9  # per verification, so a rate that falls late in a long generation is followed
@@ -34,12 +36,6 @@ def draft_lengths(ceiling: int) -> tuple[int, ...]:
     and the ceiling. Each has its own verification graphs, so their number grows with log k, not k; a length
     close under the ceiling (3 under 4) would add graphs for a step one token narrower."""
     return tuple(sorted({k for k in (1, 3, 7, 15) if 2 * k <= ceiling} | {ceiling}))
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens a row of k drafts commits when each draft is kept with probability a once those before it were:
-    1 + a + ... + a^k (the correction or bonus token included)."""
-    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
 @dataclass
@@ -142,7 +138,7 @@ class DraftLength:
         others = max(batch - len(rows), 0)  # decode rows: one token whatever k is
 
         def value(k: int) -> float:
-            tokens = sum(1 + d * (expected_tokens(a, min(k, r.cap)) - 1) for r, (a, d) in zip(rows, rates))
+            tokens = sum(1 + d * (expected_accepted_length(a, min(k, r.cap)) - 1) for r, (a, d) in zip(rows, rates))
             return (others + tokens) / self.costs(batch, k)
 
         return max((0, *self.lengths), key=lambda k: (value(k), -k))

@@ -213,7 +213,10 @@ class StepGraph:
             if cuda:
                 torch.cuda.synchronize(self.pool.device)
             t0 = time.perf_counter()
-            self.graph.replay() if self.graph is not None else self._forward()
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._forward()
             if cuda:
                 torch.cuda.synchronize(self.pool.device)
             times.append(time.perf_counter() - t0)
