@@ -34,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from bench.common import DEVICE, environment, smoke_config, sync, table, write_json
+from bench.common import DEVICE, capture_graphs, environment, smoke_config, sync, table, write_json
 from kimik3.inference import SamplingParams
 from kimik3.inference.engine import Engine, EngineConfig, Request, SpeculativeConfig
 from kimik3.inference.spec.oracle import OracleProposer, expected_accepted_length, p_for_accepted_length
@@ -54,9 +54,12 @@ DEMO_PROMPTS = ["OTHELLO:\nIt is the cause, it is the cause, my soul,", "IAGO:\n
 def engine_for(model, prompts, new: int, graphs: bool | None, speculative=None) -> Engine:
     """An engine sized for the prompts run together, no prefix cache (the same sizes give the same graphs, spans
     and so the same sums: the fixed points below and the timed runs share them)."""
-    return Engine(model, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=max(64, sum(map(len, prompts))),
-                                      max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
-                                      use_cuda_graphs=graphs, speculative=speculative))
+    budget = max(64, sum(map(len, prompts)))
+    engine = Engine(model, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=budget,
+                                        max_model_len=max(map(len, prompts)) + new + 8, enable_prefix_cache=False,
+                                        use_cuda_graphs=graphs, speculative=speculative))
+    capture_graphs(engine)  # before any timed run
+    return engine
 
 
 def timed(model, prompts, new: int, speculative=None, graphs: bool | None = False
@@ -430,7 +433,7 @@ def replay_profiles(model, prompt_len: int = 256, k: int = 7) -> None:
 
     prompts = [list(range(prompt_len))]
     engine = Engine(model, EngineConfig(max_num_seqs=k + 1, max_num_batched_tokens=512, max_model_len=prompt_len + 64,
-                                        enable_prefix_cache=False,
+                                        enable_prefix_cache=False, warmup=True,  # every bucket's graphs
                                         speculative=SpeculativeConfig("suffix", None, k, adaptive=False)))
     engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
     for (rows, span, L), g in sorted(engine.runner.graphs.items()):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from bench.common import DEVICE
+from kimik3.model.init import allocate
 from kimik3.model.moe import MXFP4Experts
 from kimik3.ops.backend import moe_backend_from_env, use_backend
 from kimik3.quant import pack_experts, relayout_experts
@@ -19,7 +20,7 @@ from kimik3.quant import pack_experts, relayout_experts
 def materialize(module: nn.Module, seed: int = 0) -> nn.Module:
     """meta -> DEVICE with random values: matrices N(0, 0.02), norms 1, KDA islands in their usual ranges."""
     pack_experts(module)
-    module.to_empty(device=DEVICE)
+    allocate(module, DEVICE)
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if t.dtype == torch.uint8:

@@ -241,6 +241,13 @@ def byte_compile(prefix: str = "/tmp/kimik3-bench-pycache") -> float:
     return seconds
 
 
+def capture_graphs(engine) -> None:
+    """Capture the engine's graphs of every batch bucket now, as a warming engine does (an engine without warm-up
+    captures each at its first step: a timed step would include it)."""
+    with torch.no_grad(), engine.mode():
+        engine.runner.capture_graphs()
+
+
 def decoding_engine(model, B: int, s: dict, max_model_len: int | None, graphs: bool, spare: int = 0,
                     deterministic: bool = False):
     """An engine whose B sequences of `context` tokens are prefilled and decoding (s: context, steps, budget;
@@ -256,6 +263,7 @@ def decoding_engine(model, B: int, s: dict, max_model_len: int | None, graphs: b
                                         max_num_batched_tokens=max(s["budget"], s["context"] + 64),
                                         max_model_len=max_model_len, use_cuda_graphs=graphs, enable_prefix_cache=False,
                                         num_blocks=B * per_seq + -(-spare // 64) + 8, deterministic=deterministic))
+    capture_graphs(engine)
     g = torch.Generator().manual_seed(B)
     for i in range(B):
         prompt = torch.randint(0, 1000, (s["context"],), generator=g).tolist()

@@ -23,7 +23,7 @@ if ! python3 -c "import fastapi, aiohttp" 2>/dev/null && ls .whl/serve/*.whl >/d
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/serve/*.whl
 fi
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-# FRESH=1: a new machine as a user meets it (only what the package itself seeds, kimik3.ops.tuned)
+# FRESH=1: a new machine as a user meets it (only the package's own autotuning choices, kimik3.ops.tuned)
 [ -z "${FRESH:-}" ] && [ -f .whl/tune.tgz ] && mkdir -p "$cache" && tar xzf .whl/tune.tgz -C "$cache"
 for spec in "$@"; do
     IFS=: read -r name secs args <<<"$spec"

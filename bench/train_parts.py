@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from bench.common import environment, median_ms, sync
 from kimik3.distributed.parallelize import apply_activation_checkpointing, decoder_layers
 from kimik3.model import K3ForCausalLM
+from kimik3.model.init import allocate
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.mla import MultiHeadLatentAttention
 from kimik3.model.moe import LatentMoE
@@ -146,7 +147,7 @@ def build(cfg, precision: str, device: torch.device, loss_chunk: int, seed: int 
     """The trainer's objects around a fresh model: meta build, allocated on `device`, training init."""
     with torch.device("meta"):
         lm = K3ForCausalLM(cfg, PRECISIONS[precision])
-    lm.to_empty(device=device)
+    allocate(lm, device)
     lm.init_weights(seed)
     model = keep_routers_fp32(CausalLMLoss(lm, loss_chunk))
     return Setup(lm, model, Balancer(lm, "qb"))

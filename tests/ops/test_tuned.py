@@ -1,37 +1,116 @@
-"""The shipped autotuning results (kimik3.ops.tuned): Triton's file format, copied into the cache directory once,
-never over a file already there."""
+"""The shipped autotuning choices (kimik3.ops.tuned): the table's form, a seeded key that is never timed while
+another key is, the table placed in fla-core's own kernels, and the GPU / fla-core checks before it is used."""
 
+import importlib.metadata
 import json
 
 import pytest
-
-from kimik3.ops.tuned import SEEDS, seed_autotune
+import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+
+from kimik3.ops import tuned  # noqa: E402
+from tests.helpers import needs_interpreter  # noqa: E402
+
+H200 = tuned.table_path("NVIDIA H200")
+CONFIGS = [triton.Config({"BLOCK": 16}, num_warps=1), triton.Config({"BLOCK": 32}, num_warps=2)]
 
 
-def shipped():
-    return sorted(SEEDS.glob("*/*/*.autotune.json"))
+@triton.heuristics({"EVEN": lambda args: args["N"] % 16 == 0})  # wrapped as fla wraps its autotuners
+@triton.autotune(configs=CONFIGS, key=["N"])
+@triton.jit
+def double_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, 2 * tl.load(x_ptr + offs, mask=offs < N), mask=offs < N)
 
 
-def test_shipped_files_are_triton_autotune_results():
-    files = shipped()
-    assert len(files) >= 20  # the demo's and the slice's fla kernels, as an H200 tuned them
-    for f in files:
-        d = json.loads(f.read_text())
-        assert set(d) == {"key", "configs_timings"}, f
-        assert all(isinstance(cfg, dict) and "num_warps" in cfg for cfg, _ in d["configs_timings"]), f
+def test_the_h200_table_holds_the_demo_and_slice_kernels_choices():
+    table = json.loads(H200.read_text())
+    assert table["gpu"] == "NVIDIA H200" and table["fla-core"] == "0.6.0"
+    kernels = table["kernels"]
+    assert len(kernels) == 8 and sum(len(v) for v in kernels.values()) >= 20
+    for name, entries in kernels.items():
+        assert name.startswith("fla.") and "_kernel" in name.rsplit(".", 1)[1], name
+        for e in entries:
+            assert set(e) == {"key", "config"} and e["key"] and "num_warps: " in e["config"], (name, e)
+    # the slice's KDA (96 heads of 128) and the demo's (4 of 64) in the chunked solve's key
+    keys = [e["key"][:2] for e in kernels["fla.ops.kda.chunk_intra.chunk_kda_fwd_kernel_inter_solve_fused"]]
+    assert sorted(keys) == [[4, 4], [96, 96]]
 
 
-def test_seeding_copies_what_is_missing_and_keeps_what_is_there(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    files = shipped()
-    mine = tmp_path / files[0].parent.name / files[0].name
-    mine.parent.mkdir(parents=True)
-    mine.write_text("the user's own tuning")
-    assert seed_autotune.__wrapped__() == len(files) - 1
-    assert mine.read_text() == "the user's own tuning"
-    for f in files[1:]:
-        assert (tmp_path / f.parent.name / f.name).read_bytes() == f.read_bytes()
-    assert not list(tmp_path.glob("*/*.tmp.*"))
-    assert seed_autotune.__wrapped__() == 0  # a second process finds them all
+def _tuner() -> Autotuner:
+    t = double_kernel
+    while not isinstance(t, Autotuner):
+        t = t.fn
+    return t
+
+
+@needs_interpreter
+def test_a_seeded_key_runs_its_choice_untimed_and_another_key_is_timed(monkeypatch):
+    tuner = _tuner()
+    tuner.cache.clear()
+    timed = []
+    monkeypatch.setattr(Autotuner, "_bench", lambda self, *a, config, **kw: timed.append(str(config)) or [1.0] * 3)
+    name = f"{__name__}.double_kernel"
+    table = {"kernels": {name: [{"key": [48, "torch.float32", "torch.float32"], "config": str(CONFIGS[1])}],
+                         "no.such.module.kernel": [{"key": [1], "config": str(CONFIGS[0])}],
+                         f"{__name__}.torch": [{"key": [1], "config": str(CONFIGS[0])}]}}
+    assert tuned.apply(table) == 1  # the missing module and the object that is no kernel are passed over
+    assert tuned.apply(table) == 0  # a choice already made is kept
+    x = torch.arange(48, dtype=torch.float32)
+    y = torch.empty_like(x)
+    double_kernel[(3,)](x, y, 48)
+    assert timed == [] and tuner.best_config is CONFIGS[1] and torch.equal(y, 2 * x)
+    x = torch.arange(40, dtype=torch.float32)  # another key: tuned as before
+    y = torch.empty_like(x)
+    double_kernel[(3,)](x, y, 40)
+    assert sorted(timed) == sorted(map(str, CONFIGS)) and torch.equal(y, 2 * x)
+
+
+def test_a_config_the_kernel_does_not_have_is_passed_over():
+    tuner = _tuner()
+    tuner.cache.clear()
+    other = str(triton.Config({"BLOCK": 64}, num_warps=4))
+    assert tuned.apply({"kernels": {f"{__name__}.double_kernel": [{"key": [8, "torch.float32"], "config": other}]}}
+                       ) == 0
+    assert tuner.cache == {}
+
+
+def test_the_h200_table_goes_into_fla_cores_kernels():
+    pytest.importorskip("fla")
+    table = json.loads(H200.read_text())
+    tuners = {}
+    for name in table["kernels"]:
+        module, _, attr = name.rpartition(".")
+        t = getattr(importlib.import_module(module), attr)
+        while not isinstance(t, Autotuner):
+            t = t.fn
+        t.cache.clear()
+        tuners[name] = t
+    placed = tuned.apply(table)
+    # fla builds some config lists from the device it finds: here (no GPU) one demo choice is not among them
+    own = [(name, e) for name, v in table["kernels"].items() for e in v
+           if e["config"] in {str(c) for c in tuners[name].configs}]
+    assert placed == len(own) >= 20
+    for name, e in own:
+        assert str(tuners[name].cache[tuple(e["key"])]) == e["config"]
+
+
+@pytest.mark.parametrize("gpu, fla, placed", [("NVIDIA H200", "0.6.0", True), ("NVIDIA H100 80GB HBM3", "0.6.0", False),
+                                              ("NVIDIA H200", "0.7.0", False)])
+def test_seed_fla_uses_the_table_only_for_its_gpu_and_fla_version(monkeypatch, gpu, fla, placed):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: fla if name == "fla-core" else "0")
+    monkeypatch.setattr(tuned, "apply", lambda table: calls.append(table["gpu"]) or 7)
+    assert tuned.seed_fla.__wrapped__() == (7 if placed else 0)
+    assert calls == (["NVIDIA H200"] if placed else [])
+
+
+def test_seed_fla_without_cuda_places_nothing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tuned.seed_fla.__wrapped__() == 0

@@ -35,6 +35,7 @@ from kimik3.checkpoint.inventory import parse_dtype, stored_dtype
 from kimik3.checkpoint.keys import RELEASED_QUANTIZATION, checkpoint_prefix
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
+from kimik3.model.init import allocate
 from kimik3.ops.mxfp4 import decode, encode
 from kimik3.placement import fill_slots, tier_by_budget
 from kimik3.quant import pack_experts
@@ -197,7 +198,7 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | str | None = None, devic
     _check_names(src, entries)
     device = torch.device(device)
     tiered = offload and tier_by_budget(model, cfg.text, device, cpu_offload_gb, expert_misses, offload_reserve_bytes)
-    model.to_empty(device=device)
+    allocate(model, device)
     state = {prefix + n: t for n, t in model.state_dict().items()}
     lossy: dict[str, int] = {}
     with torch.no_grad():

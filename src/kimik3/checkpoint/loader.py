@@ -3,7 +3,7 @@
     1. locate config.json + index + shards; read every shard header (no tensor data)
     2. decide on the vision tower (text_only=None: load it when the shards hold it), then check the header
        set against the config: missing / unexpected / wrong shape or dtype -> one error
-    3. build on the meta device (experts kept packed: `pack_experts`), `to_empty(device)`: the final size, once
+    3. build on the meta device (experts kept packed: `pack_experts`), `allocate(model, device)`: the final size, once
     4. per shard (one open at a time), per tensor in file order: read, cast to the destination's dtype,
        copy into place (a per-expert tensor into its slice of the stacked experts; an `A_log` of another
        stored length: its first num_heads entries, the padding tail zeroed)
@@ -49,6 +49,7 @@ from kimik3.checkpoint.safetensors_header import TensorEntry
 from kimik3.checkpoint.sharded import ExpertShard, slice_experts
 from kimik3.config import K3Config
 from kimik3.model import K3ForConditionalGeneration
+from kimik3.model.init import allocate
 from kimik3.ops.mxfp4 import decode, encode
 from kimik3.placement import fill_slots, tier_by_budget
 from kimik3.quant import pack_experts
@@ -168,7 +169,7 @@ def load_sharded(path: str | Path, *, dtype: torch.dtype | str | None = None, de
         shard_model(model)
     tiered = offload and tier_by_budget(model, cfg.text, device, cpu_offload_gb, expert_misses, offload_reserve_bytes,
                                         shard.count if shard is not None else None)
-    model.to_empty(device=device)
+    allocate(model, device)
     _fill(model, folder.path, entries, device, quiet, shard.start if shard is not None else 0, slice_of)
     if tiered:
         fill_slots(model, expert_trace)
@@ -198,7 +199,7 @@ def _meta_model(cfg: K3Config, dtype: torch.dtype, keep_experts_packed: bool) ->
             pack_experts(model)
     state = model.state_dict(keep_vars=True)
     unfillable = [n for n, _ in model.named_buffers() if n not in state]
-    assert not unfillable, (f"non-persistent buffers {unfillable[:3]} are not in the checkpoint and to_empty "
+    assert not unfillable, (f"non-persistent buffers {unfillable[:3]} are not in the checkpoint and allocate "
                             "leaves them uninitialized: give the loader a way to rebuild them")
     return model
 
@@ -268,7 +269,7 @@ def _fill(model: K3ForConditionalGeneration, root: Path, entries: list[TensorEnt
                         advance(e.nbytes)
             except SafetensorError as err:
                 raise ValueError(f"{root / file}: safetensors could not read it ({err})") from None
-    # every element of every tensor was written, so nothing is left as to_empty's garbage
+    # every element of every tensor was written, so nothing is left as allocate's garbage
     assert not pending and written == sum(t.numel() for t in state.values()), (len(pending), written)
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kimik3.checkpoint.keys import parse_expert_key
+from kimik3.model.init import allocate
 from kimik3.model.moe import Experts, LatentMoE, MXFP4Experts
 
 
@@ -76,7 +77,7 @@ def _sliced(old: Experts | MXFP4Experts, shard: ExpertShard) -> Experts | MXFP4E
         else:
             F, L = old.w1_packed.shape[1], old.w2_packed.shape[1]
             new = MXFP4Experts(shard.count, L, F)
-    new.to_empty(device=device)
+    allocate(new, device)
     for name, t in _expert_tensors(new).items():
         src = tensors[name]
         if device.type != "meta":

@@ -43,9 +43,10 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
         sync_tokens: as `Engine`'s (ranks generating together).
         loader: builds the model instead of `kimik3.load` (same keywords): a parallel loader.
 
-    The model runs in eval mode; its routed experts are relaid for the MoE backend's kernels (Humming's where it
-    picks them) unless adapters need them packed. The engine's `tokenizer` is the folder's `tiktoken.model` (a
-    GGUF's vocabulary), and its end ids are the turn's end and the config's eos_token_id.
+    The model runs in eval mode. Its MXFP4 routed experts stay packed where Humming's kernels run them, re-laid out
+    for them in place (one copy), or for adapters; elsewhere they are decoded to the dtype once (`experts_packed`).
+    The engine's `tokenizer` is the folder's `tiktoken.model` (a GGUF's vocabulary), and its end ids are the turn's
+    end and the config's eos_token_id.
     """
     import kimik3
     from kimik3.quant import relayout_experts
@@ -56,7 +57,7 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     # None with images too: a config with a vision_config over shards without its tensors loads as text
     text_only = True if vision is False else None
-    packed = lora is not None or bool(adapters)  # adapters on routed experts run over the stored MXFP4 codes
+    packed = experts_packed(path, device, dtype, adapters=lora is not None or bool(adapters))
     cfg = config or EngineConfig()
     tiers = {}
     if cfg.cpu_offload_gb is not None:
@@ -79,6 +80,23 @@ def load_engine(path: str | Path, config: EngineConfig | None = None, *, device:
     pick_cpu_threads(model, device, threads)
     return Engine(model, config, eos_token_ids=end_ids(model, tokenizer), tokenizer=tokenizer, model_id=str(path),
                   adapters=adapters or None, sync_tokens=sync_tokens)
+
+
+def experts_packed(path: Path, device: str, dtype: torch.dtype | None, adapters: bool) -> bool:
+    """Whether the load keeps the routed experts MXFP4-packed rather than decoding them to `dtype`: for adapters
+    (they run over the stored codes), and where Humming's kernels will run them (`relayout_experts` re-lays out the
+    stored codes: decoded first, they would take 4x the bytes and run on the bf16 grouped GEMM instead). Elsewhere
+    (the CPU, fp32, widths Humming cannot take, a checkpoint that stores them dense) they are decoded once."""
+    if adapters:
+        return True
+    cfg = read_config(path)
+    if cfg.storage.experts != "mxfp4" or torch.device(device).type != "cuda":
+        return False
+    from kimik3.checkpoint.inventory import stored_dtype
+    from kimik3.ops.moe import experts_backend
+
+    moe, dtype = cfg.text.moe, dtype or stored_dtype(cfg)
+    return experts_backend(torch.device(device), dtype, moe.latent_dim, moe.expert_dim) == "humming"
 
 
 def offload_reserve(path: Path, config: EngineConfig) -> int:

@@ -1,4 +1,5 @@
-"""Training initialization of a freshly built model (a loaded checkpoint needs none)."""
+"""A model built on the meta device given memory (`allocate`), and the training initialization of a freshly built
+model (a loaded checkpoint needs none)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ from torch import nn
 from kimik3.model.kda import KimiDeltaAttention
 from kimik3.model.moe import Experts, Router
 from kimik3.model.norm import GatedRMSNorm, RMSNorm
+
+
+def allocate(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """`module.to_empty(device=device)`: each meta parameter and buffer replaced by uninitialized memory of its size,
+    dtype and strides on `device`. to_empty's `empty_like` of a meta tensor runs torch's Python reference
+    (`torch._refs.empty_like`, its stride logic: 1.1 ms a tensor here, 10 ms on the H200 in a new `kimik3 generate`
+    under cProfile); `empty_strided` is one C++ call. Modules that keep their own placement (tiered experts) keep it,
+    as under to_empty (both go through `_apply`)."""
+    return module._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
 
 
 @torch.no_grad()

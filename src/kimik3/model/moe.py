@@ -136,7 +136,7 @@ class TieredExperts(RoutedExperts):
     checkpoint's `w{1,3,2}_packed` / `_scale` buffers hold all E experts in host memory (pinned beside a GPU), and
     `slots` (not saved) the device's cache of S of them; `cache` says which, `tier` is shared by the model's layers.
 
-    The tiers stay where they were placed: moving the model (`.to`, `to_empty`) leaves this module alone.
+    The tiers stay where they were placed: moving the model (`.to`, `to_empty`, `allocate`) leaves this module alone.
     """
 
     def __init__(self, host: PackedWeights, slots: PackedWeights, cache: ExpertCache, tier: HostTier):

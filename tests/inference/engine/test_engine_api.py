@@ -208,3 +208,18 @@ def test_stop_decoder_cost_does_not_grow_with_the_output():
     shown = "".join(matcher.push([t]) for t in tokens) + matcher.flush()
     assert matcher.hit is None and shown == "ab" * 10_000
     assert tok.decoded == len(tokens)
+
+
+def test_a_warming_engine_captures_its_graphs_first(model, monkeypatch):
+    """warmup=True captures every bucket's graphs before the warm-up's steps (`kimik3 serve`); without it none is
+    captured at the start (`ModelRunner.capture_graphs`; on the CPU it captures nothing, on CUDA the GPU test
+    checks the graphs)."""
+    from kimik3.inference.engine.runner import ModelRunner
+
+    calls = []
+    monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self: calls.append("capture"))
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, n: calls.append("warmup"))
+    make_engine(model)
+    assert calls == []
+    make_engine(model, warmup=True)
+    assert calls == ["capture", "warmup"]

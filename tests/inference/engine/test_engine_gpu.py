@@ -109,7 +109,7 @@ def test_graphed_decode_equals_eager_engine(models):
     *_, gpu = models
     ps = prompts((30, 50, 9), seed=3)
     params = SamplingParams(temperature=0, max_new_tokens=12, logprobs=0)
-    graphed = engine(gpu, use_cuda_graphs=True)
+    graphed = engine(gpu, use_cuda_graphs=True, warmup=True)  # every bucket's graph captured at the start
     assert graphed.runner.sizes == [1, 2, 4, 8] and sorted(graphed.runner.graphs) == [(n, 16, 1) for n in (1, 2, 4, 8)]
     a = graphed.generate(ps, params)
     b = engine(gpu, use_cuda_graphs=False).generate(ps, params)
@@ -118,6 +118,23 @@ def test_graphed_decode_equals_eager_engine(models):
         assert n >= 6, f"graphed and eager decodes part after {n} tokens"
         assert rel_err(torch.tensor([lp.logprob for lp in x.outputs[0].logprobs[:n + 1]]),
                        torch.tensor([lp.logprob for lp in y.outputs[0].logprobs[:n + 1]])) < 2e-2
+
+
+@torch.no_grad()
+def test_graphs_are_captured_when_first_needed_without_warmup(models):
+    """An engine that does not warm up captures no graph at the start (a single prompt's first token does not wait
+    for them); its steps capture the bucket they need, and decode as the warmed engine's replays do."""
+    *_, gpu = models
+    ps = prompts((30, 50, 9), seed=3)
+    params = SamplingParams(temperature=0, max_new_tokens=12, logprobs=0)
+    lazy = engine(gpu, use_cuda_graphs=True)
+    assert lazy.runner.graphs == {}
+    a = lazy.generate(ps, params)
+    assert sorted(lazy.runner.graphs) == [(4, 16, 1)]  # three decoding rows, the 4-row bucket
+    b = engine(gpu, use_cuda_graphs=True, warmup=True).generate(ps, params)
+    assert [x.outputs[0].token_ids for x in a] == [y.outputs[0].token_ids for y in b]
+    assert [[lp.logprob for lp in x.outputs[0].logprobs] for x in a] == [[lp.logprob for lp in y.outputs[0].logprobs]
+                                                                          for y in b]
 
 
 @torch.no_grad()
@@ -186,7 +203,7 @@ def test_speculative_verification_graphs_bf16(models):
     *_, gpu = models
     ps = prompts((30, 50, 9), seed=3)
     params = SamplingParams(temperature=0, max_new_tokens=16, logprobs=0)
-    ref, out, eng = _oracle_run(gpu, ps, params, 0.7, 4, graphs=True)
+    ref, out, eng = _oracle_run(gpu, ps, params, 0.7, 4, graphs=True, warmup=True)
     assert sorted(k for k in eng.runner.graphs if k[2] > 1) == [(n, 16, 5) for n in (1, 2, 4, 8)]
     assert sorted(eng.runner.commit_graphs) == [(n, 5) for n in (1, 2, 4, 8)]
     assert eng.stats["spec_decode_num_accepted_tokens"] > 0

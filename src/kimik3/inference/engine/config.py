@@ -69,8 +69,10 @@ class EngineConfig:
             last grid point and each finished request's end.
         use_cuda_graphs: replay captured decode-only steps (None: on CUDA in bf16/fp16). On the CPU, True runs
             the graphs' static steps (bucket padding, span buckets) eagerly: what the tests check their form on.
-        warmup: run every step shape the engine will meet (prefill chunks, each graph) once at start, so
-            the first requests meet no kernel compile or autotuning.
+        warmup: capture every batch bucket's CUDA graphs and run every step shape the engine will meet (prefill
+            chunks, each graph) once at start, so the first requests meet no kernel compile, autotuning or
+            capture. Without it each graph is captured at the first step that needs it (a single prompt's first
+            token does not wait for the decode graphs).
         poison: fill freed slots, freed blocks and evicted snapshots with NaN (tests: a stale read fails).
         speculative: speculative decoding (`SpeculativeConfig`), or None.
         cpu_offload_gb: GiB of routed experts per device kept in host memory only, the device caching the rest

@@ -107,6 +107,7 @@ class Engine:
             if spec is not None and spec.lengths.adaptive and not tiered_layers(lm):
                 spec.lengths.costs = StepCosts(self.runner.time_steps, self.runner.sizes)
             if cfg.warmup:
+                self.runner.capture_graphs()
                 self.runner.warmup(cfg.max_num_batched_tokens)
                 # ... or here, every batch bucket, on CUDA (graph replays); on the CPU, where timing the demo's eager
                 # steps for every bucket added 11 s to a 64-sequence warm-up, each bucket is timed when first met

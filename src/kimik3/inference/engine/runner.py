@@ -33,7 +33,6 @@ from kimik3.model.moe import compile_experts, warm_experts
 from kimik3.model.state import KDAView, StatePool
 from kimik3.model.step import build_step, prompt_expanded_until
 from kimik3.ops.backend import to_device
-from kimik3.ops.tuned import seed_autotune
 
 
 @dataclass
@@ -74,8 +73,6 @@ class ModelRunner:
         self.model, self.pool, self.max_blocks, self.adapters = model, pool, max_blocks, adapters
         self.taps = taps
         self.device = next(model.parameters()).device
-        if self.device.type == "cuda":  # before any kernel runs: fla's kernels read their tuned configs from the cache
-            seed_autotune()
         # on the CPU verification steps run as static steps unless told otherwise (below)
         verify_static = use_cuda_graphs is None and self.device.type == "cpu" and adapters is None
         if use_cuda_graphs is None:  # on CUDA in 16-bit: fp32 routed experts run the reference loop, which reads
@@ -102,15 +99,24 @@ class ModelRunner:
         self.buffers = VerifyBuffers(pool, len(self.kda), max(self.verify_sizes, default=0), longest)
         self.graphs: dict[tuple[int, int, int], StepGraph] = {}  # (rows, span, row_len)
         self.commit_graphs: dict[tuple[int, int], CommitGraph] = {}  # (rows, row_len)
-        if self.handle is not None:
-            # the graphs' expert kernels compile side by side first (their captures would compile them one by one)
-            compile_experts(model, self.sizes[-1] * longest)
-            for n in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
-                self.graph(n, span_bucket(1, max_blocks), 1)
-            for L in reversed(self.verify_lens):
-                for n in reversed(self.verify_sizes):
-                    self.graph(n, span_bucket(1, max_blocks), L)
-                    self._commit_graph(n, L)
+
+    def capture_graphs(self) -> None:
+        """Capture the decode and verification graphs of every batch bucket at the shortest key span now (a warming
+        engine: a server, ready only when its first requests meet no capture). Otherwise each graph is captured
+        at the first step that needs it, as the longer spans' always are: `kimik3 generate` prints its first
+        token, which a prefill step computes, before the decode graph's capture and its kernels' compiles (~4.5 s
+        on a new H200, bench_startup's compile trace), instead of after them."""
+        if self.handle is None:
+            return
+        span, longest = span_bucket(1, self.max_blocks), max(self.verify_lens, default=1)
+        # the graphs' expert kernels compile side by side first (their captures would compile them one by one)
+        compile_experts(self.model, self.sizes[-1] * longest)
+        for n in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool memory
+            self.graph(n, span, 1)
+        for L in reversed(self.verify_lens):
+            for n in reversed(self.verify_sizes):
+                self.graph(n, span, L)
+                self._commit_graph(n, L)
 
     def graph(self, rows: int, span: int, row_len: int) -> StepGraph:
         g = self.graphs.get((rows, span, row_len))

@@ -2,13 +2,16 @@
 
 The gate runs inside the kernel in the lower-bounded form (`safe_gate`, bound -5), as do the q/k L2 norm
 (eps 1e-6 inside the sqrt) and the beta sigmoid: the reference's call (spec 2.4, step 6). The state is fp32
-[N, H, K, V] in fla's default K-first layout, the same layout as our reference and cache.
+[N, H, K, V] in fla's default K-first layout, the same layout as our reference and cache. fla's modules are loaded by
+`kimik3.ops.fla_modules.fla_module`: only those K3 runs, with the package's autotuning choices for this GPU.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from kimik3.ops.fla_modules import fla_module
 
 
 def _k3_flags(q: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float) -> dict:
@@ -18,7 +21,7 @@ def _k3_flags(q: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float) -> 
 
 def chunk_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, *, lower_bound, scale=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None):
-    from fla.ops.kda import chunk_kda
+    chunk_kda = fla_module("fla.ops.kda").chunk_kda
 
     return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, safe_gate=True, cu_seqlens=cu_seqlens,
@@ -27,7 +30,7 @@ def chunk_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, *, lower_bound, scale=
 
 def recurrent_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, *, lower_bound, scale=None, initial_state=None,
                             output_final_state=False, cu_seqlens=None):
-    from fla.ops.kda import fused_recurrent_kda
+    fused_recurrent_kda = fla_module("fla.ops.kda").fused_recurrent_kda
 
     return fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -37,7 +40,7 @@ def recurrent_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, *, lower_bound, sc
 def decode_kda_with_gate(q, k, v, g, beta, A_log, dt_bias, *, lower_bound, scale=None, states, slots):
     # fla's public `fused_recurrent_kda` always writes a new final-state tensor; its forward function has vLLM's
     # continuous-batching mode (`ssm_state_indices`, the state read from and written back to the pool in place)
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    fused_recurrent_kda_fwd = fla_module("fla.ops.kda.fused_recurrent").fused_recurrent_kda_fwd
 
     H, K, V = v.shape[2], q.shape[3], v.shape[3]
     if q.shape[1] != 1 or states.dtype != torch.float32 or states.stride()[1:] != (K * V, V, 1):

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from kimik3.ops.fla_modules import fla_module
+
 
 def gated_rms_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    rms_norm_gated = fla_module("fla.modules.norm.fused_norm_gate").rms_norm_gated
 
     return rms_norm_gated(o, gate, weight, None, activation="sigmoid", eps=eps)

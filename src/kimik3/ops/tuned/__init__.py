@@ -1,48 +1,83 @@
-"""Autotuning results shipped with the package, so a new machine does not benchmark every config of fla's kernels.
+"""fla's autotuning choices shipped with the package, so a new machine does not time every config of its kernels.
 
-fla's Triton kernels autotune: the first time a process meets a shape key, each config is compiled and timed, unless
-Triton's cache directory already holds the choice (`<hash>/<kernel>.autotune.json`). On a new H200 that was 32 s of
-the demo's first `kimik3 generate` and 19 s of the slice's warm-up before `kimik3 serve` answered (bench_startup,
-BENCHMARKS.md). `h200/` holds those files as an H200 wrote them, for the shapes the demo and K3's real widths (the
-slice-12 engine: prefill chunks, decode, verification) meet. Triton names each file by a hash of its own version,
-the GPU target, the kernel's source, the shape key and the configs, so a file is read only where all of these
-match: elsewhere (another GPU, Triton or fla) nothing is read and the kernels tune as before.
+fla's KDA kernels (and their norms) autotune: the first time a process meets a shape key, Triton compiles and times
+each config of the kernel. On a new H200 that was ~8 s of the demo's first `kimik3 generate` and 7-10 s of the
+slice's warm-up before `kimik3 serve` answered (bench_startup, BENCHMARKS.md). `<GPU>.json` (the GPU's name as
+torch reports it, non-alphanumerics as "_") holds the choices that GPU made: per kernel (its fla module and name)
+and exact autotune key, the config Triton chose. The key is the one Triton builds at the call (the kernel's key
+arguments, then the dtype of each tensor argument), so a choice is used only at the very shape it was tuned at.
 
-`seed_autotune()` copies the missing files into Triton's cache directory (`TRITON_CACHE_DIR`, default
-~/.triton/cache); it never overwrites one there. Refresh them from a device run: `bench/device_suite.sh` packs the
-machine's `*.autotune.json` into `$OUT/tune.tgz`.
+`seed_fla()` puts them in the kernels' autotuners before their first call (`Autotuner.cache`: the table Triton
+reads before it times anything, which fla's own config cache fills too), when the GPU's name and the fla-core
+version match the table's and the config is one of the kernel's own (compared as Triton prints it); any other
+kernel, shape or machine tunes as before.
+
+Why not Triton's own results: an earlier version copied the `*.autotune.json` files Triton writes into its cache
+directory. Their folder names hash Triton's, ptxas' and the kernel's fingerprints, and on new H200s the eight
+kernels they covered still timed their configs (1-1.5 s each in bench_startup's new-machine runs after the files
+shipped): a name that does not match is never read. This table depends on no such hash.
+
+Refresh it from a device run: bench/device_suite.sh packs the machine's Triton results into $OUT/tune.tgz, and
+`python tools/tuned_configs.py tune.tgz --gpu "NVIDIA H200"` merges their choices into the table.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import importlib
+import importlib.metadata
+import json
+import re
 from functools import cache
 from pathlib import Path
 
-SEEDS = Path(__file__).parent
+SHIPPED = Path(__file__).parent
+
+
+def table_path(gpu: str) -> Path:
+    """The shipped table of the GPU torch names `gpu` ("NVIDIA H200" -> NVIDIA_H200.json)."""
+    return SHIPPED / (re.sub(r"[^0-9A-Za-z]+", "_", gpu).strip("_") + ".json")
 
 
 @cache
-def seed_autotune() -> int:
-    """Copy the shipped autotuning results Triton's cache lacks (once per process); returns how many were copied.
-    Nothing happens without Triton or when the cache directory cannot be written (a read-only home: it tunes)."""
-    try:
-        from triton import knobs
-    except ImportError:
+def seed_fla() -> int:
+    """Put this GPU's shipped choices in fla's autotuners (once per process; call it before fla's kernels run).
+    Returns how many it put in place: 0 without CUDA, fla-core or a table for this GPU and fla-core version."""
+    import torch
+
+    if not torch.cuda.is_available():
         return 0
-    target = Path(knobs.cache.dir)
-    copied = 0
-    for src in SEEDS.glob("*/*/*.autotune.json"):
-        dst = target / src.parent.name / src.name
-        if dst.exists():
-            continue
+    path = table_path(torch.cuda.get_device_name())
+    try:
+        version = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return 0
+    if not path.is_file():
+        return 0
+    table = json.loads(path.read_text())
+    return apply(table) if table["fla-core"] == version else 0
+
+
+def apply(table: dict) -> int:
+    """Put `table`'s choices ({"kernels": {"module.kernel": [{"key": [...], "config": "<as Triton prints it>"}]}})
+    in the autotuners of the kernels it names, never over a choice already made in this process; returns how many.
+    A kernel that is not there or not autotuned, and a config the kernel does not have, are passed over."""
+    from triton.runtime.autotuner import Autotuner
+
+    placed = 0
+    for name, entries in table["kernels"].items():
+        module, _, attr = name.rpartition(".")
         try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_suffix(f".tmp.{os.getpid()}")
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dst)  # atomic: a process reading the cache meanwhile sees the whole file or none
-        except OSError:
-            return copied
-        copied += 1
-    return copied
+            tuner = getattr(importlib.import_module(module), attr, None)
+        except ImportError:
+            continue
+        while tuner is not None and not isinstance(tuner, Autotuner):  # under @triton.heuristics, say
+            tuner = getattr(tuner, "fn", None)
+        if tuner is None:
+            continue
+        own = {str(c): c for c in tuner.configs}
+        for entry in entries:
+            key, config = tuple(entry["key"]), own.get(entry["config"])
+            if config is not None and key not in tuner.cache:
+                tuner.cache[key] = config
+                placed += 1
+    return placed
