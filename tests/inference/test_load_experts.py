@@ -30,14 +30,18 @@ def backend(monkeypatch):
     return choose
 
 
-def test_packed_where_humming_runs_them(backend):
+def test_packed_where_humming_runs_them(backend, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     asked = backend("humming")
     assert load.experts_packed(DEMO_MODEL, "cuda", None, adapters=False)
     cfg = read_config(DEMO_MODEL)
     assert asked == [(torch.device("cuda"), torch.bfloat16, cfg.text.moe.latent_dim, cfg.text.moe.expert_dim)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device cuda without one: the load says so
+    assert not load.experts_packed(DEMO_MODEL, "cuda", None, adapters=False) and len(asked) == 1
 
 
 def test_decoded_elsewhere(backend, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     asked = backend("triton")
     assert not load.experts_packed(DEMO_MODEL, "cuda", torch.bfloat16, adapters=False)  # Humming cannot take them
     assert not load.experts_packed(DEMO_MODEL, "cpu", None, adapters=False) and len(asked) == 1  # never asked

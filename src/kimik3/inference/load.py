@@ -90,8 +90,8 @@ def experts_packed(path: Path, device: str, dtype: torch.dtype | None, adapters:
     if adapters:
         return True
     cfg = read_config(path)
-    if cfg.storage.experts != "mxfp4" or torch.device(device).type != "cuda":
-        return False
+    if cfg.storage.experts != "mxfp4" or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False  # (no CUDA: the load says so)
     from kimik3.checkpoint.inventory import stored_dtype
     from kimik3.ops.moe import experts_backend
 
