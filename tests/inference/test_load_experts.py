@@ -90,7 +90,7 @@ def _humming_width_checkpoint(root) -> str:
 @pytest.mark.gpu
 @requires_cuda
 @torch.no_grad()
-def test_load_engine_runs_humming_on_the_stored_codes(tmp_path):
+def test_load_engine_runs_humming_on_the_stored_codes_gpu(tmp_path):
     """On a Hopper GPU with humming-kernels: the experts load packed and are re-laid out (no bf16 copy), and greedy
     decoding follows the engine that decodes them to bf16 (`KIMIK3_MOE_BACKEND=triton`) as other kernels do."""
     from kimik3.model.moe import RelaidExperts
