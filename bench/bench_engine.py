@@ -133,8 +133,12 @@ def engine_decode_ms(model, B: int, s: dict, graphs: bool, max_model_len: int | 
         engine.step()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    if profile:  # the real rows' step with graphs off: real routing (scratch rows all pick the same experts, which
-        # under-counted the experts' bytes at B=8 and 64), the same kernels a replay runs, launched eagerly
+    if profile:  # the timed engine's own steps (graphs replayed on its real rows: 4 of the 8 tokens left), then the
+        # real rows' step with graphs off: real routing (scratch rows all pick the same experts, which under-counted
+        # the experts' bytes at B=8 and 64), the same kernels a replay runs, launched eagerly. At B=64 the graphed
+        # step took 4.7 ms more than the eager kernels summed, and the engine's host work is 0.6 ms (BENCHMARKS)
+        profile_top(engine.step, f"engine decode B={B} (its rows, as timed), max_model_len {engine.max_model_len}"
+                    + (", deterministic" if deterministic else ""), iters=3)
         eager = decoding_engine(model, B, s, max_model_len, False, deterministic=deterministic)
         profile_top(eager.step, f"engine decode B={B} (its rows, eager), max_model_len {eager.max_model_len}"
                     + (", deterministic" if deterministic else ""), iters=3)
