@@ -40,7 +40,6 @@ def kernel_modules() -> dict[str, str]:
     import importlib
 
     from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import JITFunction
 
     found = {}
     for name in FLA_MODULES:
@@ -52,11 +51,11 @@ def kernel_modules() -> dict[str, str]:
                 tuner = getattr(tuner, "fn", None)
             if tuner is None:
                 continue
-            jit = tuner.fn
-            while not isinstance(jit, JITFunction):
-                jit = jit.fn
-            if jit.__name__ == attr:  # where it is defined, not a module that imports it
-                found[attr] = jit.fn.__module__
+            source = tuner.fn  # down to the Python function under @triton.jit (or the interpreter's wrapper)
+            while hasattr(source, "fn"):
+                source = source.fn
+            if source.__name__ == attr:  # where it is defined, not a module that imports it
+                found[attr] = source.__module__
     return found
 
 

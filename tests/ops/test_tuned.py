@@ -114,3 +114,35 @@ def test_seed_fla_uses_the_table_only_for_its_gpu_and_fla_version(monkeypatch, g
 def test_seed_fla_without_cuda_places_nothing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tuned.seed_fla.__wrapped__() == 0
+
+
+def test_the_refresh_tool_merges_a_runs_choices(tmp_path, monkeypatch):
+    """tools/tuned_configs.py: Triton's results in a cache folder (as a device run's tune.tgz unpacks) merge into
+    the GPU's table beside what it held, the best timings' config as Triton prints it; --check says whether the
+    table is up to date."""
+    pytest.importorskip("fla")
+    import sys
+
+    sys.path.insert(0, str(H200.parents[4]))  # the repository, for tools/
+    from tools import tuned_configs
+
+    table = tmp_path / "Test_GPU.json"
+    monkeypatch.setattr(tuned_configs, "table_path", lambda gpu: table)
+    held = json.loads(H200.read_text())
+    table.write_text(tuned_configs.dumps(held))
+    cache = tmp_path / "cache" / "HASH"
+    cache.mkdir(parents=True)
+    slow, fast = ({"kwargs": {"BT": bt}, "num_warps": w, "num_ctas": 1, "num_stages": 3, "maxnreg": None,
+                   "pre_hook": None, "ir_override": None} for bt, w in ((16, 4), (32, 2)))
+    new_key = [64, 7, "torch.bfloat16", "torch.bfloat16", "torch.float32"]
+    (cache / "l2norm_fwd_kernel.autotune.json").write_text(json.dumps(
+        {"key": new_key, "configs_timings": [[slow, [0.02, 0.01, 0.03]], [fast, [0.01, 0.01, 0.02]]]}))
+    (cache / "not_an_fla_kernel.autotune.json").write_text(json.dumps({"key": [1], "configs_timings": [[slow, [1]]]}))
+    assert tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU", "--check"]) == 1
+    assert tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU"]) == 0
+    new = json.loads(table.read_text())
+    l2 = new["kernels"]["fla.modules.norm.l2norm.l2norm_fwd_kernel"]
+    assert {"key": new_key, "config": "BT: 32, num_warps: 2, num_ctas: 1, num_stages: 3, maxnreg: None"} in l2
+    assert sum(map(len, new["kernels"].values())) == sum(map(len, held["kernels"].values())) + 1  # nothing dropped
+    assert new["gpu"] == "Test GPU" and tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU",
+                                                             "--check"]) == 0
