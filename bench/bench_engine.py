@@ -133,6 +133,19 @@ def engine_decode_ms(model, B: int, s: dict, graphs: bool, max_model_len: int | 
         engine.step()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
+    if profile and engine.runner.graphs:  # the device's share of the step: its graph replayed alone, on the inputs
+        # the last step left (the same rows, routing and key span), no host work between replays
+        key = max(k for k in engine.runner.graphs if k[2] == 1 and k[0] >= B)
+        replay = engine.runner.graphs[key].graph
+        if replay is not None:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                replay.replay()
+            sync()
+            alone = (time.perf_counter() - t0) * 1e3 / 20
+            print(f"-- decode B={B}: the graph {key} replayed alone {alone:.2f} ms, the engine's step "
+                  f"{sorted(times)[len(times) // 2]:.2f} ms", flush=True)
     if profile:  # the timed engine's own steps (graphs replayed on its real rows: 4 of the 8 tokens left), then the
         # real rows' step with graphs off: real routing (scratch rows all pick the same experts, which under-counted
         # the experts' bytes at B=8 and 64), the same kernels a replay runs, launched eagerly. At B=64 the graphed
