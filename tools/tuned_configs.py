@@ -6,7 +6,7 @@ smallest timings, Triton's rule) goes into `src/kimik3/ops/tuned/<GPU>.json` und
 beside the choices already there (a key seen again takes the new choice). Needs fla-core importable (no GPU):
 the kernels' modules are looked up in it, and the table records its version.
 
-    python tools/tuned_configs.py out/device/tune.tgz --gpu "NVIDIA H200"
+    python tools/tuned_configs.py out/device/tune.tgz --gpu "NVIDIA H200" --capability 9.0
     python tools/tuned_configs.py ~/.triton/cache --gpu "NVIDIA H200" --check   # exit 1 if the table would change
 """
 
@@ -78,7 +78,8 @@ def merged(table: dict, results: list[tuple[str, dict]], modules: dict[str, str]
         kernels.setdefault(f"{modules[name]}.{name}", {})[json.dumps(result["key"])] = entry
     import triton
 
-    return {"gpu": table.get("gpu"), "fla-core": importlib.metadata.version("fla-core"), "triton": triton.__version__,
+    return {"gpu": table.get("gpu"), "capability": table.get("capability"),
+            "fla-core": importlib.metadata.version("fla-core"), "triton": triton.__version__,
             "kernels": {k: sorted(v.values(), key=lambda e: json.dumps(e["key"])) for k, v in sorted(kernels.items())}}
 
 
@@ -94,11 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("sources", nargs="+", type=Path, help="Triton cache folders or tune.tgz archives")
     p.add_argument("--gpu", required=True, help="the GPU's name as torch.cuda.get_device_name() says it")
+    p.add_argument("--capability", help="its compute capability, major.minor (9.0 for an H200): required for a new "
+                                        "table (a GPU without a table of its own uses one of its capability)")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the table would change")
     args = p.parse_args(argv)
     path = table_path(args.gpu)
     old = json.loads(path.read_text()) if path.is_file() else {}
-    if old and old["fla-core"] != importlib.metadata.version("fla-core"):
+    if args.capability is not None:
+        try:
+            old["capability"] = [int(x) for x in args.capability.split(".")]
+        except ValueError:
+            p.error(f"--capability must be major.minor (9.0), got {args.capability!r}")
+    if old.get("capability") is None:
+        p.error(f"{path.name} is a new table: give the GPU's --capability (major.minor)")
+    if "fla-core" in old and old["fla-core"] != importlib.metadata.version("fla-core"):
         p.error(f"{path.name} holds fla-core {old['fla-core']}'s choices; this fla-core is "
                 f"{importlib.metadata.version('fla-core')}: start a new table (move the old one away)")
     results = [r for s in args.sources for r in triton_results(s)]

@@ -29,7 +29,7 @@ def double_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, EVEN: tl.constexpr):
 
 def test_the_h200_table_holds_the_demo_and_slice_kernels_choices():
     table = json.loads(H200.read_text())
-    assert table["gpu"] == "NVIDIA H200" and table["fla-core"] == "0.6.0"
+    assert table["gpu"] == "NVIDIA H200" and table["capability"] == [9, 0] and table["fla-core"] == "0.6.0"
     kernels = table["kernels"]
     assert len(kernels) == 8 and sum(len(v) for v in kernels.values()) >= 20
     for name, entries in kernels.items():
@@ -99,12 +99,16 @@ def test_the_h200_table_goes_into_fla_cores_kernels():
         assert str(tuners[name].cache[tuple(e["key"])]) == e["config"]
 
 
-@pytest.mark.parametrize("gpu, fla, placed", [("NVIDIA H200", "0.6.0", True), ("NVIDIA H100 80GB HBM3", "0.6.0", False),
-                                              ("NVIDIA H200", "0.7.0", False)])
-def test_seed_fla_uses_the_table_only_for_its_gpu_and_fla_version(monkeypatch, gpu, fla, placed):
+@pytest.mark.parametrize("gpu, capability, fla, placed", [
+    ("NVIDIA H200", (9, 0), "0.6.0", True),
+    ("NVIDIA H100 80GB HBM3", (9, 0), "0.6.0", True),  # no table of its own: the H200's, of its compute capability
+    ("NVIDIA A100-SXM4-80GB", (8, 0), "0.6.0", False),
+    ("NVIDIA H200", (9, 0), "0.7.0", False)])
+def test_seed_fla_uses_a_table_of_its_gpu_or_capability_and_fla_version(monkeypatch, gpu, capability, fla, placed):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(importlib.metadata, "version", lambda name: fla if name == "fla-core" else "0")
     monkeypatch.setattr(tuned, "apply", lambda table: calls.append(table["gpu"]) or 7)
     assert tuned.seed_fla.__wrapped__() == (7 if placed else 0)
@@ -146,3 +150,8 @@ def test_the_refresh_tool_merges_a_runs_choices(tmp_path, monkeypatch):
     assert sum(map(len, new["kernels"].values())) == sum(map(len, held["kernels"].values())) + 1  # nothing dropped
     assert new["gpu"] == "Test GPU" and tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU",
                                                              "--check"]) == 0
+    table.unlink()  # a new table needs the GPU's compute capability
+    with pytest.raises(SystemExit):
+        tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU"])
+    assert tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU", "--capability", "8.9"]) == 0
+    assert json.loads(table.read_text())["capability"] == [8, 9]

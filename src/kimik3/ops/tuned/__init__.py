@@ -8,9 +8,9 @@ and exact autotune key, the config Triton chose. The key is the one Triton build
 arguments, then the dtype of each tensor argument), so a choice is used only at the very shape it was tuned at.
 
 `seed_fla()` puts them in the kernels' autotuners before their first call (`Autotuner.cache`: the table Triton
-reads before it times anything, which fla's own config cache fills too), when the GPU's name and the fla-core
-version match the table's and the config is one of the kernel's own (compared as Triton prints it); any other
-kernel, shape or machine tunes as before.
+reads before it times anything, which fla's own config cache fills too), when the fla-core version matches the
+table's, the GPU is the table's (or of its compute capability, where no table names it) and the config is one of the
+kernel's own (compared as Triton prints it); any other kernel, shape or machine tunes as before.
 
 Why not Triton's own results: an earlier version copied the `*.autotune.json` files Triton writes into its cache
 directory. Their folder names hash Triton's, ptxas' and the kernel's fingerprints, and on new H200s the eight
@@ -18,7 +18,7 @@ kernels they covered still timed their configs (1-1.5 s each in bench_startup's 
 shipped): a name that does not match is never read. This table depends on no such hash.
 
 Refresh it from a device run: bench/device_suite.sh packs the machine's Triton results into $OUT/tune.tgz, and
-`python tools/tuned_configs.py tune.tgz --gpu "NVIDIA H200"` merges their choices into the table.
+`python tools/tuned_configs.py tune.tgz --gpu "NVIDIA H200" --capability 9.0` merges their choices into the table.
 """
 
 from __future__ import annotations
@@ -41,20 +41,27 @@ def table_path(gpu: str) -> Path:
 @cache
 def seed_fla() -> int:
     """Put this GPU's shipped choices in fla's autotuners (once per process; call it before fla's kernels run).
-    Returns how many it put in place: 0 without CUDA, fla-core or a table for this GPU and fla-core version."""
+    Returns how many it put in place: 0 without CUDA, fla-core or a table for this GPU (`table_for`)."""
     import torch
 
     if not torch.cuda.is_available():
         return 0
-    path = table_path(torch.cuda.get_device_name())
     try:
         version = importlib.metadata.version("fla-core")
     except importlib.metadata.PackageNotFoundError:
         return 0
-    if not path.is_file():
-        return 0
-    table = json.loads(path.read_text())
-    return apply(table) if table["fla-core"] == version else 0
+    table = table_for(torch.cuda.get_device_name(), list(torch.cuda.get_device_capability()), version)
+    return apply(table) if table is not None else 0
+
+
+def table_for(gpu: str, capability: list[int], fla_version: str) -> dict | None:
+    """The shipped table of this fla-core version for `gpu`, else one for a GPU of the same compute capability
+    (an H200's choices on an H100: the same SM, the same shared memory, so every config compiles as it did; their
+    timings may rank a little differently there, which costs speed, never correctness)."""
+    tables = [json.loads(f.read_text()) for f in sorted(SHIPPED.glob("*.json"))]
+    tables = [t for t in tables if t["fla-core"] == fla_version]
+    return next((t for t in tables if t["gpu"] == gpu), None) or next(
+        (t for t in tables if t["capability"] == capability), None)
 
 
 def apply(table: dict) -> int:
