@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capability", help="its compute capability, major.minor (9.0 for an H200): required for a new "
                                         "table (a GPU without a table of its own uses one of its capability)")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the table would change")
+    p.add_argument("--table", type=Path, help="the table to merge into (default: the package's for --gpu)")
     args = p.parse_args(argv)
-    path = table_path(args.gpu)
+    path = args.table or table_path(args.gpu)
     old = json.loads(path.read_text()) if path.is_file() else {}
     if args.capability is not None:
         try:

@@ -120,20 +120,24 @@ def test_seed_fla_without_cuda_places_nothing(monkeypatch):
     assert tuned.seed_fla.__wrapped__() == 0
 
 
-def test_the_refresh_tool_merges_a_runs_choices(tmp_path, monkeypatch):
+def test_the_refresh_tool_merges_a_runs_choices(tmp_path):
     """tools/tuned_configs.py: Triton's results in a cache folder (as a device run's tune.tgz unpacks) merge into
     the GPU's table beside what it held, the best timings' config as Triton prints it; --check says whether the
-    table is up to date."""
+    table is up to date; a new table needs the GPU's compute capability."""
     pytest.importorskip("fla")
+    import subprocess
     import sys
 
-    sys.path.insert(0, str(H200.parents[4]))  # the repository, for tools/
-    from tools import tuned_configs
+    from tests.helpers import REPO
+
+    def tool(*args: str) -> int:
+        return subprocess.run([sys.executable, "-W", "ignore", str(REPO / "tools" / "tuned_configs.py"),
+                               str(tmp_path / "cache"), "--gpu", "Test GPU", "--table", str(table), *args],
+                              capture_output=True, text=True, timeout=300).returncode
 
     table = tmp_path / "Test_GPU.json"
-    monkeypatch.setattr(tuned_configs, "table_path", lambda gpu: table)
     held = json.loads(H200.read_text())
-    table.write_text(tuned_configs.dumps(held))
+    table.write_text(H200.read_text())
     cache = tmp_path / "cache" / "HASH"
     cache.mkdir(parents=True)
     slow, fast = ({"kwargs": {"BT": bt}, "num_warps": w, "num_ctas": 1, "num_stages": 3, "maxnreg": None,
@@ -142,16 +146,13 @@ def test_the_refresh_tool_merges_a_runs_choices(tmp_path, monkeypatch):
     (cache / "l2norm_fwd_kernel.autotune.json").write_text(json.dumps(
         {"key": new_key, "configs_timings": [[slow, [0.02, 0.01, 0.03]], [fast, [0.01, 0.01, 0.02]]]}))
     (cache / "not_an_fla_kernel.autotune.json").write_text(json.dumps({"key": [1], "configs_timings": [[slow, [1]]]}))
-    assert tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU", "--check"]) == 1
-    assert tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU"]) == 0
+    assert tool("--check") == 1
+    assert tool() == 0
     new = json.loads(table.read_text())
     l2 = new["kernels"]["fla.modules.norm.l2norm.l2norm_fwd_kernel"]
     assert {"key": new_key, "config": "BT: 32, num_warps: 2, num_ctas: 1, num_stages: 3, maxnreg: None"} in l2
     assert sum(map(len, new["kernels"].values())) == sum(map(len, held["kernels"].values())) + 1  # nothing dropped
-    assert new["gpu"] == "Test GPU" and tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU",
-                                                             "--check"]) == 0
+    assert new["gpu"] == "Test GPU" and new["capability"] == [9, 0] and tool("--check") == 0
     table.unlink()  # a new table needs the GPU's compute capability
-    with pytest.raises(SystemExit):
-        tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU"])
-    assert tuned_configs.main([str(tmp_path / "cache"), "--gpu", "Test GPU", "--capability", "8.9"]) == 0
-    assert json.loads(table.read_text())["capability"] == [8, 9]
+    assert tool() == 2
+    assert tool("--capability", "8.9") == 0 and json.loads(table.read_text())["capability"] == [8, 9]
